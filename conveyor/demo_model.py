@@ -1,0 +1,124 @@
+"""Write a tiny random-weight checkpoint (config, safetensors, tokenizer) for offline use.
+
+The weights are initialised with a larger std than transformers' default so the top logits are
+well separated: greedy decoding then has no near-ties and is reproducible across implementations.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = """
+Conveyor runs large offline evaluation jobs. Upload a file of prompts, poll its status, and
+download the results. The engine keeps the key and value cache in fixed-size blocks, shares the
+blocks of a common system prompt between requests, and batches requests continuously so that a
+finished sequence makes room for a waiting one at once. You are a helpful assistant. Answer the
+question briefly and precisely. What is the capital of France? Paris is the capital of France.
+Translate the sentence into German. Summarise the following paragraph in one sentence. Write a
+short poem about the sea. The quick brown fox jumps over the lazy dog. 0123456789 + - * / = ( )
+"""
+
+
+def build_tokenizer(vocab_size: int = 512) -> Any:
+    """A byte-level BPE tokenizer trained on a small built-in text, with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def model_config(arch: str, vocab_size: int, **overrides: Any) -> Any:
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    sizes: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+    )
+    if arch == "llama":
+        cls = LlamaConfig
+        sizes.update(tie_word_embeddings=False)
+    elif arch == "qwen2":
+        cls = Qwen2Config
+        sizes.update(tie_word_embeddings=True)
+    elif arch == "qwen3":
+        cls = Qwen3Config
+        sizes.update(tie_word_embeddings=True, head_dim=32)
+    else:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {ARCHITECTURES}")
+    sizes.update(overrides)
+    return cls(**sizes)
+
+
+def write_tiny_model(
+    path: str | Path,
+    arch: str = "llama",
+    *,
+    with_tokenizer: bool = True,
+    init_std: float = 0.08,
+    seed: int = 0,
+    **config_overrides: Any,
+) -> Path:
+    """Save a random-weight `arch` model (and tokenizer) under `path` and return the path."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer() if with_tokenizer else None
+    vocab_size = len(tokenizer) if tokenizer is not None else 512
+    config = model_config(arch, vocab_size, **config_overrides)
+    eos = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]) if tokenizer else [1]
+    config.eos_token_id = eos[0]
+    config.bos_token_id = None
+    config.pad_token_id = eos[-1]
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2 or name.endswith("bias"):
+                param.normal_(0.0, init_std)
+            else:  # norm weights: keep near one, but not exactly, so a wrong norm shows
+                param.uniform_(0.8, 1.2)
+    model.generation_config = GenerationConfig(
+        eos_token_id=eos, pad_token_id=eos[-1], do_sample=False
+    )
+    model.save_pretrained(path, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,15 @@
+"""The paged-KV inference engine."""
+
+from engine.llm import LLM
+from engine.llm_engine import EngineStats, LLMEngine
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineStats",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+]

@@ -1,0 +1,86 @@
+"""`LLM`: offline generation over the step-level engine, shaped like vLLM's `LLM`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from engine.llm_engine import LLMEngine, Prompt
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Message = dict[str, str]
+
+
+class LLM(LLMEngine):
+    _ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of `prompts`."""
+        prompt_list = _as_prompt_list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            param_list = [params or SamplingParams()] * len(prompt_list)
+        else:
+            param_list = list(params)
+            if len(param_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(prompt_list)} prompts but {len(param_list)} sampling params"
+                )
+        ids = [f"gen-{next(self._ids)}" for _ in prompt_list]
+        try:
+            for request_id, prompt, p in zip(ids, prompt_list, param_list, strict=True):
+                self.add_request(request_id, prompt, p)
+        except ValueError:
+            for request_id in ids:
+                self.abort(request_id)
+            raise
+
+        wanted = set(ids)
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while wanted - results.keys():
+                start_tokens = self.generation_tokens
+                for output in self.step():
+                    if output.request_id in wanted:
+                        results[output.request_id] = output
+                        bar.update(1)
+                bar.set_postfix(tokens=self.generation_tokens - start_tokens, refresh=False)
+        return [results[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[Message] | Sequence[list[Message]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation and generate replies."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, params, use_tqdm)
+
+    def apply_chat_template(
+        self, conversation: list[Message], add_generation_prompt: bool = True
+    ) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        text = self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts

@@ -1,0 +1,370 @@
+"""The step-level engine: add requests, step, collect finished outputs."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.loader import (
+    config_dtype,
+    eos_token_ids,
+    load_config,
+    load_model,
+    load_tokenizer,
+    resolve_model_path,
+)
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampler import Sampler, SampleRequest, top_logprobs
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSeq, Scheduler
+from engine.sequence import Request, Sequence
+from kernels import get_attention_backend
+
+Prompt = str | list[int]
+
+DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
+
+
+@dataclass
+class EngineStats:
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached: int  # blocks holding reusable prefix KV, in use or free
+    num_running: int
+    num_waiting: int
+    prompt_tokens_computed: int
+    prompt_tokens_cached: int
+    generation_tokens: int
+    num_preemptions: int
+    num_steps: int
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str,
+        *,
+        device: str = "auto",
+        dtype: str | torch.dtype = "auto",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 4096,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        attention_backend: str = "auto",
+    ):
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        self.device = _resolve_device(device)
+        path = resolve_model_path(model)
+        self.model_path = path
+        config = load_config(path)
+        self.config = config
+        self.dtype = _resolve_dtype(dtype, config, self.device)
+        self.tokenizer = load_tokenizer(path)
+        self.eos_token_ids = eos_token_ids(path, config, self.tokenizer)
+        self.vocab_size = config.vocab_size
+
+        max_positions = config.max_position_embeddings
+        if max_model_len is not None and max_model_len > max_positions:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's "
+                f"max_position_embeddings={max_positions}"
+            )
+        net = load_model(path, config, self.dtype, self.device, max_positions)
+        per_block = ModelRunner.bytes_per_block(net, block_size, self.dtype)
+        if num_kv_blocks is None:
+            num_kv_blocks = self._budget_blocks(kv_cache_memory, gpu_memory_utilization, per_block)
+        capacity = num_kv_blocks * block_size
+        if max_model_len is None:
+            max_model_len = min(max_positions, capacity)
+        elif max_model_len > capacity:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({num_kv_blocks} blocks of {block_size}), "
+                f"fewer than max_model_len={max_model_len}; give it more blocks or memory"
+            )
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+
+        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        backend = get_attention_backend(attention_backend, self.device)
+        self.runner = ModelRunner(net, backend, num_kv_blocks, block_size, self.device, self.dtype)
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed)
+        self.sampler = Sampler(generator)
+        self.requests: dict[str, Request] = {}
+        self.generation_tokens = 0
+        self.num_steps = 0
+
+    def _budget_blocks(self, kv_bytes: int | None, gpu_util: float, per_block: int) -> int:
+        if kv_bytes is None:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                used = total - free
+                kv_bytes = int(total * gpu_util) - used
+            else:
+                total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                kv_bytes = min(DEFAULT_CPU_KV_CACHE_BYTES, total // 5)
+        blocks = kv_bytes // per_block
+        if blocks < 1:
+            raise ValueError(
+                f"a KV cache budget of {kv_bytes} bytes holds no block of {per_block} bytes"
+            )
+        return blocks
+
+    # ---- requests ---------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompts as token ids")
+            return list(self.tokenizer(prompt).input_ids)
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        return ids
+
+    def add_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
+    ) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, but max_model_len is "
+                f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens fit"
+            )
+        text = prompt if isinstance(prompt, str) else None
+        request = Request(request_id, text, token_ids, params)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        seq = Sequence(request, 0, list(token_ids), len(token_ids), self._generator(params, 0))
+        request.seqs.append(seq)
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.seed is None or params.greedy:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(params.seed + index)
+        return generator
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> EngineStats:
+        bm, counters = self.block_manager, self.scheduler.counters
+        return EngineStats(
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_blocks - bm.num_free_blocks,
+            kv_blocks_cached=len(bm.cached),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            prompt_tokens_computed=counters.prompt_tokens_computed,
+            prompt_tokens_cached=counters.prompt_tokens_cached,
+            generation_tokens=self.generation_tokens,
+            num_preemptions=counters.num_preemptions,
+            num_steps=self.num_steps,
+        )
+
+    # ---- one iteration ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return the outputs of the requests that finished in it."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        self.num_steps += 1
+        scheduled.sort(key=lambda item: item.num_new_tokens > 1)  # decodes first
+        self.runner.copy_blocks(self.block_manager.take_pending_copies())
+        completing = [item.seq for item in scheduled if item.completes]
+        result = self.runner.run(scheduled, self._seqs_needing_prompt_logprobs(scheduled))
+        self._record_prompt_logprobs(scheduled, result.prompt_logits)
+        for item in scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.register_computed_blocks(item.seq)
+
+        rows, seqs = [], []
+        for row, seq in enumerate(completing):
+            if seq.request.needs_fork:
+                for child in self._fork(seq):
+                    rows.append(row)
+                    seqs.append(child)
+            rows.append(row)
+            seqs.append(seq)
+        logits = result.sample_logits
+        if len(rows) != len(completing):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        sampled = self.sampler(logits, [self._sample_request(s) for s in seqs])
+
+        finished: list[RequestOutput] = []
+        for i, seq in enumerate(seqs):
+            self._append_token(seq, sampled.token_ids[i], sampled.sampled_logprobs[i],
+                               sampled.logprobs[i])
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                request = seq.request
+                if request.is_finished and request.request_id in self.requests:
+                    del self.requests[request.request_id]
+                    finished.append(self._request_output(request))
+        return finished
+
+    def _seqs_needing_prompt_logprobs(self, scheduled: list[ScheduledSeq]) -> set[int]:
+        return {
+            item.seq.seq_id
+            for item in scheduled
+            if item.seq.request.prompt_logprobs is not None
+            and len(item.seq.request.prompt_logprobs) < item.seq.num_prompt_tokens
+        }
+
+    def _record_prompt_logprobs(self, scheduled, prompt_logits) -> None:
+        for item in scheduled:
+            entry = prompt_logits.get(item.seq.seq_id)
+            if entry is None:
+                continue
+            first, logits = entry
+            request = item.seq.request
+            k = request.params.prompt_logprobs or 0
+            logprobs = torch.log_softmax(logits, dim=-1)
+            for j in range(logits.shape[0]):
+                target = first + j + 1  # the prompt position this row predicts
+                if target == len(request.prompt_logprobs):
+                    token = request.prompt_token_ids[target]
+                    request.prompt_logprobs.append(top_logprobs(logprobs[j], token, k))
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        request = parent.request
+        children = []
+        for index in range(len(request.seqs), request.params.n):
+            child = Sequence(
+                request, index, list(parent.token_ids), parent.num_prompt_tokens,
+                self._generator(request.params, index),
+            )
+            self.block_manager.fork(parent, child)
+            self.scheduler.add_running(child)
+            request.seqs.append(child)
+            children.append(child)
+        return children
+
+    def _sample_request(self, seq: Sequence) -> SampleRequest:
+        params = seq.request.params
+        banned: list[int] = []
+        if seq.num_output_tokens < params.min_tokens:
+            banned = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned += list(self.eos_token_ids)
+        return SampleRequest(params, seq.generator, banned)
+
+    def _append_token(self, seq: Sequence, token: int, logprob: float, top) -> None:
+        request, params = seq.request, seq.request.params
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += logprob
+        if params.logprobs is not None:
+            if seq.logprobs is None:
+                seq.logprobs = []
+            seq.logprobs.append(top)
+        self.generation_tokens += 1
+
+        num_out = seq.num_output_tokens
+        if num_out >= params.min_tokens:
+            if token in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+                return
+            if not params.ignore_eos and token in self.eos_token_ids:
+                seq.finish_reason = "stop"
+                return
+            if params.stop and self._check_stop_strings(seq):
+                return
+        if (params.max_tokens is not None and num_out >= params.max_tokens) or (
+            seq.num_tokens >= self.max_model_len
+        ):
+            seq.finish_reason = "length"
+
+    def _check_stop_strings(self, seq: Sequence) -> bool:
+        text = self._decode(seq)
+        hits = [(text.find(s), s) for s in seq.request.params.stop]
+        hits = [(pos, s) for pos, s in hits if pos >= 0]
+        if not hits:
+            return False
+        pos, stop = min(hits)
+        seq.text = text[:pos]
+        seq.finish_reason, seq.stop_reason = "stop", stop
+        return True
+
+    def _decode(self, seq: Sequence) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(
+            seq.output_token_ids, skip_special_tokens=seq.request.params.skip_special_tokens
+        )
+
+    def _request_output(self, request: Request) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=seq.index,
+                text=seq.text if isinstance(seq.stop_reason, str) else self._decode(seq),
+                token_ids=seq.output_token_ids,
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=seq.logprobs,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in sorted(request.seqs, key=lambda s: s.index)
+        ]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            prompt_logprobs=request.prompt_logprobs,
+            outputs=outputs,
+            finished=True,
+            num_cached_tokens=request.num_cached_tokens or 0,
+        )
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: str | torch.dtype, config, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        # CPUs have no fast half-precision matmul everywhere: keep float32 there
+        return config_dtype(config) if device.type == "cuda" else torch.float32
+    names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+             "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    if dtype not in names:
+        raise ValueError(f"dtype must be auto or one of {', '.join(names)}, got {dtype!r}")
+    return names[dtype]

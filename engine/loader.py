@@ -1,0 +1,123 @@
+"""Find a checkpoint (local directory or hub id) and load its config, weights and tokenizer."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.models import MODEL_REGISTRY, DecoderForCausalLM
+
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+
+
+def resolve_model_path(model: str) -> Path:
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"model {model!r} is a file; pass the checkpoint's directory")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model, allow_patterns=_HUB_PATTERNS))
+    except Exception as exc:
+        raise ValueError(
+            f"model {model!r} is neither a local directory nor a reachable hub repository: {exc}"
+        ) from exc
+
+
+def load_config(path: Path):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    if arch not in MODEL_REGISTRY:
+        raise ValueError(
+            f"unsupported architecture {arch!r} in {path / 'config.json'}; "
+            f"supported: {', '.join(sorted(MODEL_REGISTRY))}"
+        )
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError("sliding-window attention is not supported (use_sliding_window=true)")
+    return config
+
+
+def config_dtype(config) -> torch.dtype:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(
+    path: Path, config, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> DecoderForCausalLM:
+    cls = MODEL_REGISTRY[config.architectures[0]]
+    with _default_dtype(dtype), torch.device(device):
+        model = cls(config, max_positions)
+    load_weights(model, path)
+    return model.eval().requires_grad_(False)
+
+
+def load_weights(model: DecoderForCausalLM, path: Path) -> None:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {path}")
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                if name == "lm_head.weight" and model.tie_word_embeddings:
+                    continue
+                if name not in params:
+                    raise ValueError(f"unexpected weight {name!r} in {file.name}")
+                tensor = f.get_tensor(name)
+                param = params[name]
+                if tensor.shape != param.shape:
+                    raise ValueError(
+                        f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(param.shape)}"
+                    )
+                with torch.no_grad():
+                    param.copy_(tensor)
+                loaded.add(name)
+    missing = set(params) - loaded - ({"lm_head.weight"} if model.tie_word_embeddings else set())
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks weights: {', '.join(sorted(missing)[:8])}")
+
+
+def load_tokenizer(path: Path):
+    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def eos_token_ids(path: Path, config, tokenizer) -> set[int]:
+    ids = None
+    gen_file = path / "generation_config.json"
+    if gen_file.exists():
+        ids = json.loads(gen_file.read_text()).get("eos_token_id")
+    if ids is None:
+        ids = getattr(config, "eos_token_id", None)
+    if ids is None and tokenizer is not None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return set()
+    return {ids} if isinstance(ids, int) else set(ids)

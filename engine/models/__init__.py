@@ -1,0 +1,15 @@
+from engine.models.decoder import (
+    DecoderForCausalLM,
+    LlamaForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
+
+MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+__all__ = ["MODEL_REGISTRY", "DecoderForCausalLM"]

@@ -1,0 +1,70 @@
+"""Building blocks shared by the decoder models."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE with a precomputed cos/sin table, in the half-rotation layout of HF checkpoints."""
+
+    def __init__(self, config, head_dim: int, max_positions: int):
+        super().__init__()
+        inv_freq, scaling = rope_frequencies(config, head_dim)
+        positions = torch.arange(max_positions, dtype=torch.float)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_parameters(config) -> dict:
+    params = getattr(config, "rope_parameters", None)  # transformers >= 5
+    if params:
+        return dict(params)
+    params = dict(getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and cos/sin scaling, using transformers' own rope_scaling code."""
+    params = rope_parameters(config)
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params["rope_theta"]
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (base**exponent), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.float(), float(scaling)

@@ -1,0 +1,34 @@
+"""What `LLM.generate` and `LLM.step` return, named as in vLLM's `RequestOutput`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# token id -> log probability, for one position: the chosen token plus the top-k alternatives.
+TokenLogprobs = dict[int, float]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[TokenLogprobs | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,110 @@
+"""Turn one row of logits per sequence into the next token.
+
+Each row is processed on its own (temperature, top-k, top-p, min-p), and a row with a seed draws
+its noise from its own generator, so a seeded request samples the same tokens whatever else is
+in the batch. Sampling uses the exponential-race form of the categorical draw:
+argmax(p / q) with q ~ Exp(1) picks token i with probability p_i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRequest:
+    params: SamplingParams
+    generator: torch.Generator | None
+    banned_token_ids: list[int]  # EOS / stop ids while fewer than min_tokens were generated
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # per row: {sampled: lp, top-k...} when asked for
+    sampled_logprobs: list[float]
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator  # for rows without a seed
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
+        logits = logits.float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        for i, row in enumerate(rows):
+            if row.banned_token_ids:
+                logits[i, row.banned_token_ids] = float("-inf")
+
+        greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            tokens = torch.where(greedy, tokens, self._sample(logits, rows))
+
+        token_list = tokens.tolist()
+        sampled = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        top = [
+            top_logprobs(logprobs[i], token_list[i], r.params.logprobs)
+            if r.params.logprobs is not None
+            else None
+            for i, r in enumerate(rows)
+        ]
+        return SampleResult(token_list, top, sampled)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+        device = logits.device
+        temperature = torch.tensor(
+            [r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows],
+            device=device,
+        )
+        logits = logits / temperature[:, None]
+        top_k = [r.params.top_k for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        if any(top_k) or any(p < 1.0 for p in top_p):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+        if bool((min_p > 0).any()):
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+            probs = probs.masked_fill(probs < threshold, 0.0)
+
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(
+                len(unseeded), probs.shape[1], device=device
+            ).exponential_(generator=self.generator)
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([v if v > 0 else vocab for v in top_k], device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device)
+    drop = ranks[None, :] >= k[:, None]
+    p = torch.tensor(top_p, device=logits.device)
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # drop a token once the tokens ranked above it already reach top_p (keep at least one)
+    drop |= (probs.cumsum(dim=-1) - probs) >= p[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def top_logprobs(row: torch.Tensor, token_id: int, k: int) -> TokenLogprobs:
+    """{token_id: its logprob} plus the `k` most likely tokens of one row of logprobs."""
+    result = {token_id: float(row[token_id])}
+    if k > 0:
+        values, ids = row.topk(k)
+        for v, t in zip(values.tolist(), ids.tolist(), strict=True):
+            result.setdefault(t, v)
+    return result

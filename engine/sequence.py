@@ -1,0 +1,82 @@
+"""A request and the sequences (one per sample) that it decodes."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+from engine.outputs import TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One token stream: its tokens, its block table and how much of its KV is computed."""
+
+    request: Request
+    index: int  # sample index within the request (0..n-1)
+    token_ids: list[int]
+    num_prompt_tokens: int
+    generator: torch.Generator | None = None
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)  # chained keys of its full blocks
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str = ""  # detokenized output, kept only when stop strings must be checked
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    seqs: list[Sequence] = field(default_factory=list)
+    # prompt_logprobs[i] is for prompt token i; entry 0 is None (nothing predicts it)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int | None = None  # prompt tokens served from the cache on first admission
+    first_token_time: float | None = None
+
+    @property
+    def needs_fork(self) -> bool:
+        """True until the prompt's single sequence has been split into `n` samples."""
+        return len(self.seqs) < self.params.n
+
+    @property
+    def is_finished(self) -> bool:
+        return not self.needs_fork and all(s.is_finished for s in self.seqs)
