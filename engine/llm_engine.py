@@ -86,6 +86,9 @@ class LLMEngine:
         per_block = ModelRunner.bytes_per_block(net, block_size, self.dtype)
         if num_kv_blocks is None:
             num_kv_blocks = self._budget_blocks(kv_cache_memory, gpu_memory_utilization, per_block)
+            # never more than max_num_seqs sequences of full length can use
+            longest = max_model_len or max_positions
+            num_kv_blocks = min(num_kv_blocks, max_num_seqs * -(-longest // block_size))
         capacity = num_kv_blocks * block_size
         if max_model_len is None:
             max_model_len = min(max_positions, capacity)
@@ -196,6 +199,7 @@ class LLMEngine:
         )
 
     # ---- one iteration ----------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one batch; return the outputs of the requests that finished in it."""
         scheduled = self.scheduler.schedule()
@@ -226,8 +230,9 @@ class LLMEngine:
 
         finished: list[RequestOutput] = []
         for i, seq in enumerate(seqs):
-            self._append_token(seq, sampled.token_ids[i], sampled.sampled_logprobs[i],
-                               sampled.logprobs[i])
+            self._append_token(
+                seq, sampled.token_ids[i], sampled.sampled_logprobs[i], sampled.logprobs[i]
+            )
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
                 request = seq.request
@@ -264,7 +269,10 @@ class LLMEngine:
         children = []
         for index in range(len(request.seqs), request.params.n):
             child = Sequence(
-                request, index, list(parent.token_ids), parent.num_prompt_tokens,
+                request,
+                index,
+                list(parent.token_ids),
+                parent.num_prompt_tokens,
                 self._generator(request.params, index),
             )
             self.block_manager.fork(parent, child)
@@ -363,8 +371,14 @@ def _resolve_dtype(dtype: str | torch.dtype, config, device: torch.device) -> to
     if dtype == "auto":
         # CPUs have no fast half-precision matmul everywhere: keep float32 there
         return config_dtype(config) if device.type == "cuda" else torch.float32
-    names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-             "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    names = {
+        "float32": torch.float32,
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "fp32": torch.float32,
+        "fp16": torch.float16,
+        "bf16": torch.bfloat16,
+    }
     if dtype not in names:
         raise ValueError(f"dtype must be auto or one of {', '.join(names)}, got {dtype!r}")
     return names[dtype]

@@ -33,8 +33,10 @@ class ModelRunner:
         self.device = device
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device))
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
             for _ in range(model.num_layers)
         ]
 
@@ -53,9 +55,7 @@ class ModelRunner:
             v_cache[dst] = v_cache[src]
 
     @torch.inference_mode()
-    def run(
-        self, scheduled: list[ScheduledSeq], prompt_logprob_seqs: set[int]
-    ) -> ForwardResult:
+    def run(self, scheduled: list[ScheduledSeq], prompt_logprob_seqs: set[int]) -> ForwardResult:
         """One forward pass; `scheduled` must list decodes (one new token) before prefills."""
         bs = self.block_size
         input_ids: list[int] = []

@@ -82,14 +82,13 @@ class Scheduler:
                 i += 1
 
         while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
+            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
         ):
             seq = self.waiting[0]
-            hits = [] if seq.request.params.prompt_logprobs is not None else (
-                self.block_manager.match_prefix(seq)
+            hits = (
+                []
+                if seq.request.params.prompt_logprobs is not None
+                else (self.block_manager.match_prefix(seq))
             )
             num_cached = len(hits) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)

@@ -39,15 +39,24 @@ class TorchPagedAttention:
         if d:
             parts.append(
                 torch_paged.decode_attention(
-                    query[:d], k_cache, v_cache,
-                    meta.decode_block_tables, meta.decode_context_lens, scale,
+                    query[:d],
+                    k_cache,
+                    v_cache,
+                    meta.decode_block_tables,
+                    meta.decode_context_lens,
+                    scale,
                 )
             )
         if meta.num_prefills:
             parts.append(
                 torch_paged.prefill_attention(
-                    query[d:], k_cache, v_cache, meta.prefill_block_tables,
-                    meta.prefill_query_start, meta.prefill_context_lens, scale,
+                    query[d:],
+                    k_cache,
+                    v_cache,
+                    meta.prefill_block_tables,
+                    meta.prefill_query_start,
+                    meta.prefill_context_lens,
+                    scale,
                 )
             )
         return parts[0] if len(parts) == 1 else torch.cat(parts)

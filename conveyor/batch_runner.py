@@ -1,0 +1,268 @@
+"""Run an OpenAI Batch input file through one engine, writing result lines as requests finish.
+
+The input is read line by line and at most `max_pending` requests are in the engine at once, so
+memory stays bounded for large files. Each result or error line is written and flushed as soon
+as it is known, so an interrupted run keeps everything written so far. Result lines come in the
+order requests finish, not the input order; match them up by `custom_id`.
+
+The engine is duck-typed (`add_request`, `step`, `has_unfinished`, `abort`, `tokenizer`), which
+keeps this module free of torch imports until an engine is actually handed in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from conveyor.openai_batch import (
+    CHAT_TEMPLATE_ERROR,
+    INTERNAL_ERROR,
+    INVALID_SAMPLING_PARAMS,
+    BatchLineParser,
+    BatchRequestError,
+    ParsedRequest,
+    TokenDecoder,
+    build_output_line,
+    classify_engine_error,
+    error_line_from_exception,
+    peek_custom_id,
+)
+
+
+@dataclass
+class BatchStats:
+    lines: int = 0  # non-blank input lines handled
+    succeeded: int = 0
+    failed: int = 0
+
+
+def count_request_lines(path: str | Path) -> int:
+    """Non-blank lines in `path`, read in a streaming way."""
+    n = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.strip():
+                n += 1
+    return n
+
+
+def iter_request_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, raw line) for each non-blank line of `path`."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if raw.strip():
+                yield lineno, raw
+
+
+def chat_prompt_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` under the tokenizer's chat template, ready for generation."""
+    if tokenizer is None:
+        raise ValueError("the model has no tokenizer, so chat messages cannot be formatted")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the model's tokenizer has no chat template; use /v1/completions")
+    ids: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    # transformers 5 returns a BatchEncoding (a mapping) here; older versions a plain list.
+    if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if ids and isinstance(ids[0], list | tuple):
+        ids = ids[0]
+    return [int(t) for t in ids]
+
+
+# SamplingParams field -> the request body field it comes from, to name it in errors.
+_BODY_FIELD = {
+    "logprobs": "body.logprobs",
+    "prompt_logprobs": "body.logprobs",
+    "stop": "body.stop",
+}
+_SAMPLING_FIELDS = {
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
+    "stop_token_ids", "ignore_eos", "skip_special_tokens",
+}  # fmt: skip
+
+
+def _sampling_param_name(message: str) -> str | None:
+    """The body field a `SamplingParams` error message starts with (`top_p must be ...`)."""
+    first = message.split(" ", 1)[0].strip("'\"`:,")
+    if first in _BODY_FIELD:
+        return _BODY_FIELD[first]
+    return f"body.{first}" if first in _SAMPLING_FIELDS else None
+
+
+class BatchRunner:
+    """Feeds batch lines to an engine and writes one output line per input line."""
+
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        sampling_params_cls: Callable[..., Any],
+        model_name: str,
+        out: IO[str],
+        error_out: IO[str] | None = None,
+        served_model_names: Iterable[str] | None = None,
+        max_pending: int = 1024,
+        progress: Any | None = None,
+    ) -> None:
+        self.llm = llm
+        self.sampling_params_cls = sampling_params_cls
+        self.model_name = model_name
+        self.out = out
+        self.error_out = error_out if error_out is not None else out
+        self.parser = BatchLineParser(served_model_names)
+        self.max_pending = max(1, max_pending)
+        self.progress = progress
+        self.decoder = TokenDecoder(getattr(llm, "tokenizer", None))
+        self.pending: dict[str, ParsedRequest] = {}
+        self.stats = BatchStats()
+
+    # ---- output ---------------------------------------------------------------------------
+    def _emit(self, obj: dict[str, Any], *, ok: bool) -> None:
+        stream = self.out if ok else self.error_out
+        stream.write(json.dumps(obj, ensure_ascii=False) + "\n")
+        stream.flush()
+        if ok:
+            self.stats.succeeded += 1
+        else:
+            self.stats.failed += 1
+        if self.progress is not None:
+            self.progress.update(1)
+            self.progress.set_postfix(ok=self.stats.succeeded, failed=self.stats.failed)
+
+    def _emit_error(self, err: BatchRequestError) -> None:
+        self._emit(error_line_from_exception(err), ok=False)
+
+    # ---- input ----------------------------------------------------------------------------
+    def submit(self, lineno: int, raw: bytes | str) -> None:
+        """Check one line and hand it to the engine, or write its error line."""
+        self.stats.lines += 1
+        request_id = f"line-{lineno}"
+        try:
+            request = self.parser.parse(raw, lineno)
+            try:
+                params = self.sampling_params_cls(**request.sampling)
+            except (ValueError, TypeError) as err:
+                raise BatchRequestError(
+                    str(err),
+                    code=INVALID_SAMPLING_PARAMS,
+                    line=lineno,
+                    custom_id=request.custom_id,
+                    param=_sampling_param_name(str(err)),
+                ) from None
+            if request.is_chat:
+                try:
+                    prompt: str | list[int] = chat_prompt_token_ids(
+                        self.llm.tokenizer, request.messages or []
+                    )
+                except Exception as err:  # template errors come in many exception types
+                    raise BatchRequestError(
+                        f"could not apply the chat template: {err}",
+                        code=CHAT_TEMPLATE_ERROR,
+                        line=lineno,
+                        custom_id=request.custom_id,
+                        param="body.messages",
+                    ) from None
+            else:
+                assert request.prompt is not None
+                prompt = request.prompt
+            try:
+                self.llm.add_request(request_id, prompt, params)
+            except ValueError as err:
+                raise BatchRequestError(
+                    str(err),
+                    code=classify_engine_error(str(err)),
+                    line=lineno,
+                    custom_id=request.custom_id,
+                    param="body.messages" if request.is_chat else "body.prompt",
+                ) from None
+        except BatchRequestError as err:
+            self._emit_error(err)
+            return
+        except Exception as err:
+            self._emit_error(
+                BatchRequestError(
+                    f"internal error while adding the request: {type(err).__name__}: {err}",
+                    code=INTERNAL_ERROR,
+                    line=lineno,
+                    custom_id=peek_custom_id(raw),
+                    status_code=500,
+                )
+            )
+            return
+        self.pending[request_id] = request
+
+    def finish(self, output: Any) -> None:
+        """Write the result line of a finished engine request."""
+        request = self.pending.pop(output.request_id, None)
+        if request is None:
+            return
+        try:
+            line = build_output_line(request, output, self.model_name, self.decoder)
+        except Exception as err:
+            self._emit_error(
+                BatchRequestError(
+                    f"internal error while formatting the result: {type(err).__name__}: {err}",
+                    code=INTERNAL_ERROR,
+                    line=request.line,
+                    custom_id=request.custom_id,
+                    status_code=500,
+                )
+            )
+            return
+        self._emit(line, ok=True)
+
+    # ---- loop -----------------------------------------------------------------------------
+    def run(self, lines: Iterable[tuple[int, bytes | str]]) -> BatchStats:
+        source = iter(lines)
+        exhausted = False
+        while True:
+            while not exhausted and len(self.pending) < self.max_pending:
+                item = next(source, None)
+                if item is None:
+                    exhausted = True
+                    break
+                self.submit(*item)
+            if self.pending:
+                if not self.llm.has_unfinished():
+                    self._drop_lost_requests()
+                    continue
+                for output in self.llm.step():
+                    if getattr(output, "finished", True):
+                        self.finish(output)
+            elif exhausted:
+                break
+        return self.stats
+
+    def abort_pending(self) -> None:
+        for request_id in list(self.pending):
+            with contextlib.suppress(Exception):
+                self.llm.abort(request_id)
+
+    def _drop_lost_requests(self) -> None:
+        """The engine has nothing left but some requests never finished: report them."""
+        for request_id, request in list(self.pending.items()):
+            del self.pending[request_id]
+            self._emit_error(
+                BatchRequestError(
+                    "the engine dropped this request without finishing it",
+                    code=INTERNAL_ERROR,
+                    line=request.line,
+                    custom_id=request.custom_id,
+                    status_code=500,
+                )
+            )
+
+
+__all__ = [
+    "BatchRunner",
+    "BatchStats",
+    "chat_prompt_token_ids",
+    "count_request_lines",
+    "iter_request_lines",
+]

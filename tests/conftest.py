@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from conveyor.demo_model import write_tiny_model
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Tiny random-weight Llama, Qwen2 and Qwen3 checkpoints written by transformers."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {arch: write_tiny_model(root / arch, arch) for arch in ARCHS}
+
+
+@functools.cache
+def hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@functools.cache
+def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    """transformers' greedy continuation of one unpadded prompt (it stops at EOS, as we do)."""
+    model = hf_model(path)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+    return tuple(out[0, len(prompt) :].tolist())
+
+
+def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    return list(_hf_greedy(str(path), tuple(prompt), max_new_tokens))
+
+
+def hf_logprobs(path: Path, token_ids: list[int]) -> torch.Tensor:
+    """log-softmax of transformers' logits at every position of `token_ids`: [len, vocab]."""
+    with torch.no_grad():
+        logits = hf_model(str(path))(torch.tensor([token_ids])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def random_prompts(
+    count: int, min_len: int, max_len: int, vocab: int = 512, seed: int = 0
+) -> list[list[int]]:
+    """`count` random token-id prompts; the first is `min_len` and the second `max_len` long."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [min_len, max_len] + torch.randint(
+        min_len, max_len + 1, (count - 2,), generator=g
+    ).tolist()
+    # avoid the special ids 0..2 so prompts never contain EOS
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
