@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -56,23 +56,6 @@ def iter_request_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
         for lineno, raw in enumerate(f, 1):
             if raw.strip():
                 yield lineno, raw
-
-
-def chat_prompt_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of `messages` under the tokenizer's chat template, ready for generation."""
-    if tokenizer is None:
-        raise ValueError("the model has no tokenizer, so chat messages cannot be formatted")
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the model's tokenizer has no chat template; use /v1/completions")
-    ids: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    # transformers 5 returns a BatchEncoding (a mapping) here; older versions a plain list.
-    if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    if hasattr(ids, "tolist"):
-        ids = ids.tolist()
-    if ids and isinstance(ids[0], list | tuple):
-        ids = ids[0]
-    return [int(t) for t in ids]
 
 
 # SamplingParams field -> the request body field it comes from, to name it in errors.
@@ -157,8 +140,8 @@ class BatchRunner:
                 ) from None
             if request.is_chat:
                 try:
-                    prompt: str | list[int] = chat_prompt_token_ids(
-                        self.llm.tokenizer, request.messages or []
+                    prompt: str | list[int] = self.llm.apply_chat_template(
+                        request.messages or []
                     )
                 except Exception as err:  # template errors come in many exception types
                     raise BatchRequestError(
@@ -262,7 +245,6 @@ class BatchRunner:
 __all__ = [
     "BatchRunner",
     "BatchStats",
-    "chat_prompt_token_ids",
     "count_request_lines",
     "iter_request_lines",
 ]

@@ -18,7 +18,7 @@ from engine.loader import (
     resolve_model_path,
 )
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from engine.sampler import Sampler, SampleRequest, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
@@ -230,9 +230,7 @@ class LLMEngine:
 
         finished: list[RequestOutput] = []
         for i, seq in enumerate(seqs):
-            self._append_token(
-                seq, sampled.token_ids[i], sampled.sampled_logprobs[i], sampled.logprobs[i]
-            )
+            self._append_token(seq, sampled.token_ids[i], sampled.logprobs[i])
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
                 request = seq.request
@@ -290,16 +288,16 @@ class LLMEngine:
                 banned += list(self.eos_token_ids)
         return SampleRequest(params, seq.generator, banned)
 
-    def _append_token(self, seq: Sequence, token: int, logprob: float, top) -> None:
+    def _append_token(self, seq: Sequence, token: int, top: TokenLogprobs | None) -> None:
         request, params = seq.request, seq.request.params
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
         seq.token_ids.append(token)
-        seq.cumulative_logprob += logprob
-        if params.logprobs is not None:
+        if top is not None:
             if seq.logprobs is None:
                 seq.logprobs = []
             seq.logprobs.append(top)
+            seq.cumulative_logprob += top[token]
         self.generation_tokens += 1
 
         num_out = seq.num_output_tokens
@@ -341,7 +339,7 @@ class LLMEngine:
                 index=seq.index,
                 text=seq.text if isinstance(seq.stop_reason, str) else self._decode(seq),
                 token_ids=seq.output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob,
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
                 logprobs=seq.logprobs,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,

@@ -27,7 +27,6 @@ class SampleRequest:
 class SampleResult:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]  # per row: {sampled: lp, top-k...} when asked for
-    sampled_logprobs: list[float]
 
 
 class Sampler:
@@ -37,7 +36,9 @@ class Sampler:
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
         logits = logits.float()
-        logprobs = torch.log_softmax(logits, dim=-1)
+        # raw model logprobs, before any sampling transform, and only if a row asks for them
+        want_logprobs = any(r.params.logprobs is not None for r in rows)
+        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         for i, row in enumerate(rows):
             if row.banned_token_ids:
                 logits[i, row.banned_token_ids] = float("-inf")
@@ -48,14 +49,13 @@ class Sampler:
             tokens = torch.where(greedy, tokens, self._sample(logits, rows))
 
         token_list = tokens.tolist()
-        sampled = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
         top = [
             top_logprobs(logprobs[i], token_list[i], r.params.logprobs)
-            if r.params.logprobs is not None
+            if logprobs is not None and r.params.logprobs is not None
             else None
             for i, r in enumerate(rows)
         ]
-        return SampleResult(token_list, top, sampled)
+        return SampleResult(token_list, top)
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
         device = logits.device

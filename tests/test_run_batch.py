@@ -670,7 +670,6 @@ def test_run_batch_round_trip(tiny_model: Path, tmp_path: Path) -> None:
 
 
 def test_error_file_and_greedy_matches_generate(tiny_model: Path, tmp_path: Path) -> None:
-    from conveyor.batch_runner import chat_prompt_token_ids
     from conveyor.cli import main
     from engine import LLM, SamplingParams
 
@@ -709,7 +708,7 @@ def test_error_file_and_greedy_matches_generate(tiny_model: Path, tmp_path: Path
     assert usage["prompt_tokens"] == len(expected.prompt_token_ids)
     assert usage["completion_tokens"] == len(expected.outputs[0].token_ids)
 
-    chat_ids = chat_prompt_token_ids(llm.tokenizer, messages)
+    chat_ids = llm.apply_chat_template(messages)
     (expected_chat,) = llm.generate([chat_ids], params, use_tqdm=False)
     content = results["chat"]["response"]["body"]["choices"][0]["message"]["content"]
     assert content == expected_chat.outputs[0].text
