@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_manager import BlockManager
+from engine.cpu_memory import reuse_large_allocations
 from engine.loader import (
     config_dtype,
     eos_token_ids,
@@ -67,6 +68,8 @@ class LLMEngine:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self.device = _resolve_device(device)
+        if self.device.type == "cpu":
+            reuse_large_allocations()
         path = resolve_model_path(model)
         self.model_path = path
         config = load_config(path)

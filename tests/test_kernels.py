@@ -1,0 +1,81 @@
+"""The paged-attention kernels against the plainest possible implementations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import torch_paged
+
+
+def paged_setup(lens, block_size, kv_heads, head_dim, seed=0, dtype=torch.float32):
+    """A cache with random contents and a shuffled block table per sequence."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = sum(need) + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[free.pop() for _ in range(k)] for k in need]
+    width = max(need)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    return k_cache, v_cache, block_tables, g
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("chunk_bytes", [256, 4 << 20])
+def test_decode_attention_matches_dense(monkeypatch, block_size, heads, kv_heads, chunk_bytes):
+    monkeypatch.setattr(torch_paged, "CHUNK_BYTES", chunk_bytes)  # 256: one block per chunk
+    lens = [1, 17, 300, 5, 64, 129, 2, 33]
+    k_cache, v_cache, tables, g = paged_setup(lens, block_size, kv_heads, 32)
+    query = torch.randn(len(lens), heads, 32, generator=g)
+    context = torch.tensor(lens)
+    got = torch_paged.decode_attention(query, k_cache, v_cache, tables, context, 0.17)
+    want = torch_paged.dense_decode_attention(query, k_cache, v_cache, tables, context, 0.17)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_bfloat16():
+    lens = [40, 7, 90]
+    k_cache, v_cache, tables, g = paged_setup(lens, 16, 2, 64, dtype=torch.bfloat16)
+    query = torch.randn(3, 4, 64, generator=g).to(torch.bfloat16)
+    context = torch.tensor(lens)
+    got = torch_paged.decode_attention(query, k_cache, v_cache, tables, context, 0.125)
+    want = torch_paged.dense_decode_attention(query, k_cache, v_cache, tables, context, 0.125)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prefill_attention_matches_causal_attention(block_size):
+    """Chunks that start after a cached prefix see that prefix and themselves, causally."""
+    heads, kv_heads, d = 8, 2, 16
+    lens = [23, 70, 5]  # full context per sequence
+    q_lens = [23, 9, 1]  # the last q_len positions are this step's queries
+    k_cache, v_cache, tables, g = paged_setup(lens, block_size, kv_heads, d, seed=1)
+    query = torch.randn(sum(q_lens), heads, d, generator=g)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    got = torch_paged.prefill_attention(query, k_cache, v_cache, tables, starts, lens, 0.25)
+
+    for i, (n, q_len) in enumerate(zip(lens, q_lens, strict=True)):
+        slots = torch_paged.gather_slots(tables[i], n, block_size)
+        k = k_cache.view(-1, kv_heads, d)[slots].repeat_interleave(heads // kv_heads, dim=1)
+        v = v_cache.view(-1, kv_heads, d)[slots].repeat_interleave(heads // kv_heads, dim=1)
+        for j in range(q_len):
+            pos = n - q_len + j
+            q = query[starts[i] + j]  # [heads, d]
+            scores = torch.einsum("hd,nhd->hn", q, k[: pos + 1]) * 0.25
+            want = torch.einsum("hn,nhd->hd", scores.softmax(-1), v[: pos + 1])
+            torch.testing.assert_close(got[starts[i] + j], want, rtol=1e-5, atol=1e-5)
+
+
+def test_write_kv_goes_to_the_mapped_slots():
+    k_cache = torch.zeros(4, 2, 1, 3)
+    v_cache = torch.zeros(4, 2, 1, 3)
+    key = torch.arange(9, dtype=torch.float).view(3, 1, 3)
+    torch_paged.write_kv(key, -key, k_cache, v_cache, torch.tensor([5, 0, 7]))
+    assert torch.equal(k_cache[2, 1, 0], key[0, 0]) and torch.equal(k_cache[0, 0, 0], key[1, 0])
+    assert torch.equal(v_cache[3, 1, 0], -key[2, 0])
+    assert k_cache.abs().sum() == key[0].abs().sum() + key[1].abs().sum() + key[2].abs().sum()
