@@ -140,9 +140,7 @@ class BatchRunner:
                 ) from None
             if request.is_chat:
                 try:
-                    prompt: str | list[int] = self.llm.apply_chat_template(
-                        request.messages or []
-                    )
+                    prompt: str | list[int] = self.llm.apply_chat_template(request.messages or [])
                 except Exception as err:  # template errors come in many exception types
                     raise BatchRequestError(
                         f"could not apply the chat template: {err}",

@@ -100,7 +100,12 @@ def write_tiny_model(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer() if with_tokenizer else None
-    vocab_size = len(tokenizer) if tokenizer is not None else 512
+    default_vocab = len(tokenizer) if tokenizer is not None else 512
+    vocab_size = config_overrides.pop("vocab_size", default_vocab)
+    if tokenizer is not None and vocab_size < len(tokenizer):
+        raise ValueError(
+            f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)}"
+        )
     config = model_config(arch, vocab_size, **config_overrides)
     eos = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]) if tokenizer else [1]
     config.eos_token_id = eos[0]
