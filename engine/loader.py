@@ -11,6 +11,8 @@ import torch
 from safetensors import safe_open
 
 from engine.models import MODEL_REGISTRY, DecoderForCausalLM
+from engine.models.decoder import PACKED
+from engine.models.layers import PackedLinear
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 
@@ -72,10 +74,12 @@ def load_model(
 
 
 def load_weights(model: DecoderForCausalLM, path: Path) -> None:
+    """Copy every checkpoint tensor into its parameter (or its rows of a packed one)."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {path}")
     params = dict(model.named_parameters())
+    expected = _expected_checkpoint_names(model)
     loaded: set[str] = set()
     for file in files:
         with safe_open(file, framework="pt") as f:
@@ -84,21 +88,40 @@ def load_weights(model: DecoderForCausalLM, path: Path) -> None:
                     continue
                 if name == "lm_head.weight" and model.tie_word_embeddings:
                     continue
-                if name not in params:
+                if name not in expected:
                     raise ValueError(f"unexpected weight {name!r} in {file.name}")
+                target, rows = expected[name]
+                param = params[target]
+                dest = param if rows is None else param[rows]
                 tensor = f.get_tensor(name)
-                param = params[name]
-                if tensor.shape != param.shape:
+                if tensor.shape != dest.shape:
                     raise ValueError(
                         f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(param.shape)}"
+                        f"expected {tuple(dest.shape)}"
                     )
                 with torch.no_grad():
-                    param.copy_(tensor)
+                    dest.copy_(tensor)
                 loaded.add(name)
-    missing = set(params) - loaded - ({"lm_head.weight"} if model.tie_word_embeddings else set())
+    missing = set(expected) - loaded
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(sorted(missing)[:8])}")
+
+
+def _expected_checkpoint_names(model: DecoderForCausalLM) -> dict[str, tuple[str, slice | None]]:
+    """checkpoint tensor name -> (our parameter name, its rows or None for all of it)."""
+    names: dict[str, tuple[str, slice | None]] = {}
+    modules = dict(model.named_modules())
+    for param_name in dict(model.named_parameters()):
+        module_path, _, attr = param_name.rpartition(".")
+        module = modules[module_path]
+        if isinstance(module, PackedLinear):
+            parent, _, packed = module_path.rpartition(".")
+            for ckpt_module, (target, shard) in PACKED.items():
+                if target == packed:
+                    names[f"{parent}.{ckpt_module}.{attr}"] = (param_name, module.shard_rows(shard))
+        elif not (param_name == "lm_head.weight" and model.tie_word_embeddings):
+            names[param_name] = (param_name, None)
+    return names
 
 
 def load_tokenizer(path: Path):

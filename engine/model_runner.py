@@ -31,7 +31,7 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.device = device
-        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        shape = (num_blocks, model.num_kv_heads, block_size, model.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=dtype, device=device),

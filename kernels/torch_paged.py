@@ -1,13 +1,19 @@
 """Paged attention in plain torch: the CPU path and the oracle for the Triton kernels.
 
-Caches are per layer, shaped [num_blocks, block_size, num_kv_heads, head_dim]. A token at
-position n of a sequence lives in slot `block_table[n // block_size] * block_size + n % block_size`.
+Caches are per layer, shaped [num_blocks, kv_heads, block_size, head_dim]: a block holds each
+head's keys for `block_size` consecutive positions as one contiguous [block_size, head_dim]
+matrix, so gathered blocks feed batched matmuls without a transposing copy. The token at
+position n of a sequence lives in block `block_table[n // block_size]`, row `n % block_size`;
+its flat slot number is `block * block_size + n % block_size`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+# scaled_dot_product_attention takes enable_gqa from torch 2.5 on
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 def write_kv(
@@ -17,19 +23,25 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T]
 ) -> None:
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+    block_size = k_cache.shape[2]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[blocks, :, offsets] = key
+    v_cache[blocks, :, offsets] = value
 
 
-def gather_slots(block_table: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    positions = torch.arange(context_len, device=block_table.device)
-    return block_table[positions // block_size] * block_size + positions % block_size
+def gather_context(
+    cache: torch.Tensor, block_table: torch.Tensor, context_len: int
+) -> torch.Tensor:
+    """One sequence's first `context_len` cached vectors: [kv_heads, context_len, head_dim]."""
+    block_size = cache.shape[2]
+    blocks = cache[block_table[: -(-context_len // block_size)]]  # [n, kv_heads, bs, d]
+    kv_heads, head_dim = cache.shape[1], cache.shape[3]
+    return blocks.transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :context_len]
 
 
-# Decode attention walks the context in chunks small enough to stay in cache, with an online
-# softmax (flash-decoding in torch). Sequences are sorted longest first, so a chunk only
-# involves the sequences that reach it: no work on padding, and no temporaries so large that
-# the allocator maps fresh pages for them on every call.
+# Decode attention walks the context in chunks of blocks with an online softmax (flash-decoding
+# in torch). Sequences are sorted longest first, so a chunk only involves the sequences that
+# reach it: no work on padding. Chunks are sized to stay in cache.
 CHUNK_BYTES = 4 << 20
 
 
@@ -42,41 +54,89 @@ def decode_attention(
     scale: float,
 ) -> torch.Tensor:
     batch, heads, head_dim = query.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_blocks, kv_heads, block_size = k_cache.shape[:3]
     group = heads // kv_heads
     lens, order = context_lens.sort(descending=True)
     lens_list = lens.tolist()
     tables = block_tables[order]
-    q = query[order].view(batch, kv_heads, group, head_dim)
-    m = torch.full((batch, kv_heads, group, 1), float("-inf"), device=query.device)
-    denom = torch.zeros((batch, kv_heads, group, 1), device=query.device)
+    q = query[order].view(batch, 1, kv_heads, group, head_dim)
+    stats_shape = (batch, kv_heads, group, 1)
+    m = torch.full(stats_shape, float("-inf"), device=query.device)
+    denom = torch.zeros(stats_shape, device=query.device)
     acc = torch.zeros((batch, kv_heads, group, head_dim), device=query.device)
-    bytes_per_token = kv_heads * head_dim * k_cache.element_size()
+    k_blocks, v_blocks = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)
+    block_bytes = k_blocks.shape[1] * k_cache.element_size()
 
-    start, num_blocks = 0, -(-lens_list[0] // block_size)
-    while start < num_blocks:
-        # rows still inside their context at this block (lens is sorted, so a prefix)
-        rows = sum(1 for n in lens_list if n > start * block_size)
-        fit = CHUNK_BYTES // (rows * bytes_per_token * block_size)
-        width = max(1, min(num_blocks - start, fit))
-        ids = tables[:rows, start : start + width]
-        tokens = width * block_size
-        k = k_cache[ids].view(rows, tokens, kv_heads, head_dim).permute(0, 2, 3, 1)
-        v = v_cache[ids].view(rows, tokens, kv_heads, head_dim).transpose(1, 2)
-        scores = torch.matmul(q[:rows], k).float().mul_(scale)  # [rows, kv_heads, group, tokens]
-        positions = torch.arange(start * block_size, start * block_size + tokens, device=q.device)
-        pad = positions[None, :] >= lens[:rows, None]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    start, end = 0, -(-lens_list[0] // block_size)
+    while start < end:
+        rows = sum(1 for n in lens_list if n > start * block_size)  # a prefix: lens is sorted
+        width = max(1, min(end - start, CHUNK_BYTES // (rows * block_bytes)))
+        ids = tables[:rows, start : start + width].reshape(-1)
+        shape = (rows, width, kv_heads, block_size, head_dim)
+        k = torch.index_select(k_blocks, 0, ids).view(shape)
+        v = torch.index_select(v_blocks, 0, ids).view(shape)
+        scores = torch.matmul(q[:rows], k.transpose(-1, -2))  # [rows, width, kv, group, bs]
+        scores = scores.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, group, width * block_size)
+        scores = scores.float().mul_(scale)
+        positions = torch.arange(
+            start * block_size, (start + width) * block_size, device=query.device
+        )
+        scores.masked_fill_(
+            (positions[None, :] >= lens[:rows, None])[:, None, None, :], float("-inf")
+        )
         m_new = torch.maximum(m[:rows], scores.amax(dim=-1, keepdim=True))
         probs = torch.exp(scores - m_new)
         rescale = torch.exp(m[:rows] - m_new)
         denom[:rows] = denom[:rows] * rescale + probs.sum(dim=-1, keepdim=True)
-        acc[:rows] = acc[:rows] * rescale + torch.matmul(probs.to(v.dtype), v).float()
+        probs = probs.to(v.dtype).view(rows, kv_heads, group, width, block_size)
+        partial = torch.matmul(probs.permute(0, 3, 1, 2, 4), v).sum(dim=1)  # [rows, kv, g, d]
+        acc[:rows] = acc[:rows] * rescale + partial.float()
         m[:rows] = m_new
         start += width
     out = torch.empty_like(query)
     out[order] = (acc / denom).to(query.dtype).view(batch, heads, head_dim)
     return out
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [T, heads, head_dim], the chunks of several sequences back to back
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks]
+    query_start: list[int],  # [S + 1]
+    context_lens: list[int],  # [S] tokens in the cache after this chunk
+    scale: float,
+    key: torch.Tensor | None = None,  # [T, kv_heads, head_dim]: this step's keys, if at hand
+    value: torch.Tensor | None = None,
+) -> torch.Tensor:
+    out = torch.empty_like(query)
+    for i, context_len in enumerate(context_lens):
+        start, end = query_start[i], query_start[i + 1]
+        q = query[start:end].transpose(0, 1)  # [heads, q_len, d]
+        if key is not None and value is not None and end - start == context_len:
+            # nothing cached before this chunk: attend to its own keys, plain causal
+            k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
+            o = _sdpa(q, k, v, None, scale)
+        else:
+            k = gather_context(k_cache, block_tables[i], context_len)
+            v = gather_context(v_cache, block_tables[i], context_len)
+            # query j sits at position context_len - q_len + j and sees keys 0..that position
+            q_pos = torch.arange(context_len - (end - start), context_len, device=query.device)
+            mask = torch.arange(context_len, device=query.device)[None, :] <= q_pos[:, None]
+            o = _sdpa(q, k, v, mask, scale)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+def _sdpa(q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Causal (mask None) or masked attention; q has a multiple of k's heads (GQA)."""
+    if not _SDPA_GQA:
+        group = q.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    extra = {"enable_gqa": True} if _SDPA_GQA else {}
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, **extra
+    )
 
 
 def dense_decode_attention(
@@ -90,40 +150,10 @@ def dense_decode_attention(
     """The plainest correct decode attention: one sequence at a time. For tests."""
     out = torch.empty_like(query)
     for i, n in enumerate(context_lens.tolist()):
-        slots = gather_slots(block_tables[i], n, k_cache.shape[1])
-        k = k_cache.view(-1, *k_cache.shape[2:])[slots].float()  # [n, kv_heads, d]
-        v = v_cache.view(-1, *v_cache.shape[2:])[slots].float()
-        group = query.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,nhd->hn", query[i].float(), k) * scale
-        out[i] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), v).to(query.dtype)
-    return out
-
-
-def prefill_attention(
-    query: torch.Tensor,  # [T, heads, head_dim], the chunks of several sequences back to back
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [S, max_blocks]
-    query_start: list[int],  # [S + 1]
-    context_lens: list[int],  # [S] tokens in the cache after this chunk
-    scale: float,
-) -> torch.Tensor:
-    heads, head_dim = query.shape[1:]
-    kv_heads = k_cache.shape[2]
-    k_flat = k_cache.view(-1, kv_heads, head_dim)
-    v_flat = v_cache.view(-1, kv_heads, head_dim)
-    out = torch.empty_like(query)
-    for i, context_len in enumerate(context_lens):
-        start, end = query_start[i], query_start[i + 1]
-        q_len = end - start
-        slots = gather_slots(block_tables[i], context_len, k_cache.shape[1])
-        k = k_flat[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
-        v = v_flat[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
-        q = query[start:end].transpose(0, 1)  # [heads, q_len, d]
-        # query j sits at absolute position context_len - q_len + j and sees keys 0..that position
-        q_pos = torch.arange(context_len - q_len, context_len, device=query.device)
-        mask = torch.arange(context_len, device=query.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        out[start:end] = o.transpose(0, 1)
+        k = gather_context(k_cache, block_tables[i], n).float()  # [kv_heads, n, d]
+        v = gather_context(v_cache, block_tables[i], n).float()
+        group = query.shape[1] // k.shape[0]
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+        scores = torch.einsum("hd,hnd->hn", query[i].float(), k) * scale
+        out[i] = torch.einsum("hn,hnd->hd", scores.softmax(dim=-1), v).to(query.dtype)
     return out

@@ -13,8 +13,8 @@ def paged_setup(lens, block_size, kv_heads, head_dim, seed=0, dtype=torch.float3
     g = torch.Generator().manual_seed(seed)
     need = [-(-n // block_size) for n in lens]
     num_blocks = sum(need) + 3
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    k_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g).to(dtype)
     free = torch.randperm(num_blocks, generator=g).tolist()
     tables = [[free.pop() for _ in range(k)] for k in need]
     width = max(need)
@@ -47,7 +47,8 @@ def test_decode_attention_bfloat16():
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_prefill_attention_matches_causal_attention(block_size):
+@pytest.mark.parametrize("pass_new_kv", [False, True])
+def test_prefill_attention_matches_causal_attention(block_size, pass_new_kv):
     """Chunks that start after a cached prefix see that prefix and themselves, causally."""
     heads, kv_heads, d = 8, 2, 16
     lens = [23, 70, 5]  # full context per sequence
@@ -57,12 +58,27 @@ def test_prefill_attention_matches_causal_attention(block_size):
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
-    got = torch_paged.prefill_attention(query, k_cache, v_cache, tables, starts, lens, 0.25)
+    # this step's keys, as the model passes them: the last q_len cached positions of each
+    new_k = torch.cat(
+        [
+            _positions(k_cache, tables[i], n)[n - m :]
+            for i, (n, m) in enumerate(zip(lens, q_lens, strict=True))
+        ]
+    )
+    new_v = torch.cat(
+        [
+            _positions(v_cache, tables[i], n)[n - m :]
+            for i, (n, m) in enumerate(zip(lens, q_lens, strict=True))
+        ]
+    )
+    extra = {"key": new_k, "value": new_v} if pass_new_kv else {}
+    got = torch_paged.prefill_attention(
+        query, k_cache, v_cache, tables, starts, lens, 0.25, **extra
+    )
 
     for i, (n, q_len) in enumerate(zip(lens, q_lens, strict=True)):
-        slots = torch_paged.gather_slots(tables[i], n, block_size)
-        k = k_cache.view(-1, kv_heads, d)[slots].repeat_interleave(heads // kv_heads, dim=1)
-        v = v_cache.view(-1, kv_heads, d)[slots].repeat_interleave(heads // kv_heads, dim=1)
+        k = _positions(k_cache, tables[i], n).repeat_interleave(heads // kv_heads, dim=1)
+        v = _positions(v_cache, tables[i], n).repeat_interleave(heads // kv_heads, dim=1)
         for j in range(q_len):
             pos = n - q_len + j
             q = query[starts[i] + j]  # [heads, d]
@@ -71,11 +87,17 @@ def test_prefill_attention_matches_causal_attention(block_size):
             torch.testing.assert_close(got[starts[i] + j], want, rtol=1e-5, atol=1e-5)
 
 
+def _positions(cache, table, n):
+    """[n, kv_heads, d]: position p read the slow way, block table entry by entry."""
+    bs = cache.shape[2]
+    return torch.stack([cache[table[p // bs], :, p % bs] for p in range(n)])
+
+
 def test_write_kv_goes_to_the_mapped_slots():
-    k_cache = torch.zeros(4, 2, 1, 3)
-    v_cache = torch.zeros(4, 2, 1, 3)
-    key = torch.arange(9, dtype=torch.float).view(3, 1, 3)
+    k_cache = torch.zeros(4, 2, 2, 3)  # 4 blocks, 2 kv heads, block size 2, head dim 3
+    v_cache = torch.zeros(4, 2, 2, 3)
+    key = torch.arange(1, 19, dtype=torch.float).view(3, 2, 3)
     torch_paged.write_kv(key, -key, k_cache, v_cache, torch.tensor([5, 0, 7]))
-    assert torch.equal(k_cache[2, 1, 0], key[0, 0]) and torch.equal(k_cache[0, 0, 0], key[1, 0])
-    assert torch.equal(v_cache[3, 1, 0], -key[2, 0])
-    assert k_cache.abs().sum() == key[0].abs().sum() + key[1].abs().sum() + key[2].abs().sum()
+    assert torch.equal(k_cache[2, :, 1], key[0]) and torch.equal(k_cache[0, :, 0], key[1])
+    assert torch.equal(v_cache[3, :, 1], -key[2])
+    assert k_cache.abs().sum() == key.abs().sum()

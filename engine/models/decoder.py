@@ -1,8 +1,9 @@
 """One decoder-only transformer covering Llama, Qwen2 and Qwen3 checkpoints.
 
-Differences are read off the config: Qwen2's q/k/v bias (`attention_bias`), Qwen3's per-head
-q/k RMSNorm, `mlp_bias`, tied embeddings and an explicit `head_dim`. Parameter names match the
-Hugging Face checkpoints so weights load by name. K/V live only in the paged cache.
+Differences are read off the config: Qwen2's q/k/v bias, Qwen3's per-head q/k RMSNorm,
+`attention_bias`, `mlp_bias`, tied embeddings and an explicit `head_dim`. Parameter names match
+the Hugging Face checkpoints, except that q/k/v and gate/up are packed into one matmul each
+(`PACKED`: the loader fills their rows). K/V live only in the paged cache.
 """
 
 from __future__ import annotations
@@ -11,45 +12,58 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.layers import RMSNorm, RotaryEmbedding
+from engine.models.layers import PackedLinear, RMSNorm, Rope, RotaryEmbedding, apply_rope
 from kernels import AttentionBackend, AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
+# checkpoint module name -> (our packed module name, shard)
+PACKED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
 
 class Attention(nn.Module):
-    def __init__(self, config, qk_norm: bool, qkv_bias: bool, rotary: RotaryEmbedding):
+    def __init__(self, config, qk_norm: bool, qkv_bias: bool):
         super().__init__()
-        hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        self.head_dim = head_dim_of(config)
         self.scale = self.head_dim**-0.5
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = PackedLinear(
+            config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias
+        )
         o_bias = bool(getattr(config, "attention_bias", False))  # Qwen2 biases q/k/v only
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.qk_norm = qk_norm
-        self.rotary = rotary
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: Rope,
         x: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rope(rope, q, k)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
@@ -59,44 +73,42 @@ class MLP(nn.Module):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         hidden, inter = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.gate_up_proj = PackedLinear(hidden, {"gate": inter, "up": inter}, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qk_norm: bool, qkv_bias: bool, rotary: RotaryEmbedding):
+    def __init__(self, config, qk_norm: bool, qkv_bias: bool):
         super().__init__()
-        self.self_attn = Attention(config, qk_norm, qkv_bias, rotary)
+        self.self_attn = Attention(config, qk_norm, qkv_bias)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, kv_cache, meta, backend):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, backend)
+    def forward(self, rope, x, kv_cache, meta, backend):
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DecoderModel(nn.Module):
     def __init__(self, config, qk_norm: bool, qkv_bias: bool, max_positions: int):
         super().__init__()
-        head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads
-        )
-        rotary = RotaryEmbedding(config, head_dim, max_positions)
+        self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qk_norm, qkv_bias, rotary) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, qk_norm, qkv_bias) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta, backend):
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, meta, backend)
+            x = layer(rope, x, kv_cache, meta, backend)
         return self.norm(x)
 
 
@@ -112,9 +124,9 @@ class DecoderForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        layer = self.model.layers[0].self_attn
+        attn = self.model.layers[0].self_attn
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads, self.head_dim = layer.num_kv_heads, layer.head_dim
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
 
     def forward(
         self,

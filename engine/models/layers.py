@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -13,10 +14,32 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # normalise in float32, scale in the model's dtype, as the reference implementation does
+        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class PackedLinear(nn.Linear):
+    """Several projections of the same input stacked into one matmul (e.g. q, k and v).
+
+    `shards` names the checkpoint's separate projections in order with their output sizes; the
+    loader copies each into its rows.
+    """
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(shards.values()), bias=bias)
+        self.shards = shards
+
+    def shard_rows(self, name: str) -> slice:
+        start = 0
+        for shard, size in self.shards.items():
+            if shard == name:
+                return slice(start, start + size)
+            start += size
+        raise KeyError(name)
+
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return out.split(list(self.shards.values()), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -31,12 +54,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """cos/sin rows for `positions`, shaped to broadcast over heads: [T, 1, head_dim]."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(
+            dtype
+        )
+
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+def apply_rope(rope: Rope, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = rope
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
