@@ -39,10 +39,9 @@ def gather_context(
     return blocks.transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :context_len]
 
 
-# Decode attention walks the context in chunks of blocks with an online softmax (flash-decoding
-# in torch). Sequences are sorted longest first, so a chunk only involves the sequences that
-# reach it: no work on padding. Chunks are sized to stay in cache.
-CHUNK_BYTES = 4 << 20
+# Decode attention sorts the sequences by context length and takes them in groups small enough
+# that a group's gathered K/V stays in cache; a group is padded only to its own longest context.
+GROUP_BYTES = 2 << 20
 
 
 def decode_attention(
@@ -60,42 +59,30 @@ def decode_attention(
     lens_list = lens.tolist()
     tables = block_tables[order]
     q = query[order].view(batch, 1, kv_heads, group, head_dim)
-    stats_shape = (batch, kv_heads, group, 1)
-    m = torch.full(stats_shape, float("-inf"), device=query.device)
-    denom = torch.zeros(stats_shape, device=query.device)
-    acc = torch.zeros((batch, kv_heads, group, head_dim), device=query.device)
     k_blocks, v_blocks = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)
     block_bytes = k_blocks.shape[1] * k_cache.element_size()
+    out = torch.empty((batch, kv_heads, group, head_dim), dtype=query.dtype, device=query.device)
 
-    start, end = 0, -(-lens_list[0] // block_size)
-    while start < end:
-        rows = sum(1 for n in lens_list if n > start * block_size)  # a prefix: lens is sorted
-        width = max(1, min(end - start, CHUNK_BYTES // (rows * block_bytes)))
-        ids = tables[:rows, start : start + width].reshape(-1)
+    first = 0
+    while first < batch:
+        width = -(-lens_list[first] // block_size)  # the longest context of this group, in blocks
+        rows = max(1, min(batch - first, GROUP_BYTES // (width * block_bytes)))
+        last = first + rows
+        ids = tables[first:last, :width].reshape(-1)
         shape = (rows, width, kv_heads, block_size, head_dim)
         k = torch.index_select(k_blocks, 0, ids).view(shape)
         v = torch.index_select(v_blocks, 0, ids).view(shape)
-        scores = torch.matmul(q[:rows], k.transpose(-1, -2))  # [rows, width, kv, group, bs]
+        scores = torch.matmul(q[first:last], k.transpose(-1, -2))  # [rows, width, kv, g, bs]
         scores = scores.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, group, width * block_size)
-        scores = scores.float().mul_(scale)
-        positions = torch.arange(
-            start * block_size, (start + width) * block_size, device=query.device
-        )
-        scores.masked_fill_(
-            (positions[None, :] >= lens[:rows, None])[:, None, None, :], float("-inf")
-        )
-        m_new = torch.maximum(m[:rows], scores.amax(dim=-1, keepdim=True))
-        probs = torch.exp(scores - m_new)
-        rescale = torch.exp(m[:rows] - m_new)
-        denom[:rows] = denom[:rows] * rescale + probs.sum(dim=-1, keepdim=True)
-        probs = probs.to(v.dtype).view(rows, kv_heads, group, width, block_size)
-        partial = torch.matmul(probs.permute(0, 3, 1, 2, 4), v).sum(dim=1)  # [rows, kv, g, d]
-        acc[:rows] = acc[:rows] * rescale + partial.float()
-        m[:rows] = m_new
-        start += width
-    out = torch.empty_like(query)
-    out[order] = (acc / denom).to(query.dtype).view(batch, heads, head_dim)
-    return out
+        pad = torch.arange(width * block_size, device=query.device) >= lens[first:last, None]
+        scores = scores.float().mul_(scale).masked_fill_(pad[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        probs = probs.view(rows, kv_heads, group, width, block_size).permute(0, 3, 1, 2, 4)
+        out[first:last] = torch.matmul(probs, v).sum(dim=1)  # sum the blocks' partial outputs
+        first = last
+    result = torch.empty_like(query)
+    result[order] = out.view(batch, heads, head_dim)
+    return result
 
 
 def prefill_attention(

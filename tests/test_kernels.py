@@ -24,9 +24,9 @@ def paged_setup(lens, block_size, kv_heads, head_dim, seed=0, dtype=torch.float3
 
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (6, 1)])
-@pytest.mark.parametrize("chunk_bytes", [256, 4 << 20])
-def test_decode_attention_matches_dense(monkeypatch, block_size, heads, kv_heads, chunk_bytes):
-    monkeypatch.setattr(torch_paged, "CHUNK_BYTES", chunk_bytes)  # 256: one block per chunk
+@pytest.mark.parametrize("group_bytes", [256, 64 << 10, 4 << 20])
+def test_decode_attention_matches_dense(monkeypatch, block_size, heads, kv_heads, group_bytes):
+    monkeypatch.setattr(torch_paged, "GROUP_BYTES", group_bytes)  # 256: one sequence a group
     lens = [1, 17, 300, 5, 64, 129, 2, 33]
     k_cache, v_cache, tables, g = paged_setup(lens, block_size, kv_heads, 32)
     query = torch.randn(len(lens), heads, 32, generator=g)
