@@ -136,20 +136,16 @@ class _SamplingFields(BaseModel):
         }
         if self.stop is not None:
             kwargs["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        if self.seed is not None:
-            kwargs["seed"] = self.seed
-        if self.top_k is not None:
-            kwargs["top_k"] = self.top_k
-        if self.min_p is not None:
-            kwargs["min_p"] = float(self.min_p)
-        if self.min_tokens is not None:
-            kwargs["min_tokens"] = self.min_tokens
-        if self.ignore_eos is not None:
-            kwargs["ignore_eos"] = self.ignore_eos
-        if self.stop_token_ids is not None:
-            kwargs["stop_token_ids"] = list(self.stop_token_ids)
-        if self.skip_special_tokens is not None:
-            kwargs["skip_special_tokens"] = self.skip_special_tokens
+        optional = {
+            "seed": self.seed,
+            "top_k": self.top_k,
+            "min_p": None if self.min_p is None else float(self.min_p),
+            "min_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos,
+            "stop_token_ids": None if self.stop_token_ids is None else list(self.stop_token_ids),
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        kwargs.update({name: value for name, value in optional.items() if value is not None})
         return kwargs
 
 

@@ -12,9 +12,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# scaled_dot_product_attention takes enable_gqa from torch 2.5 on
-_SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
-
 
 def write_kv(
     key: torch.Tensor,  # [T, kv_heads, head_dim]
@@ -116,14 +113,18 @@ def prefill_attention(
 
 
 def _sdpa(q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Causal (mask None) or masked attention; q has a multiple of k's heads (GQA)."""
-    if not _SDPA_GQA:
-        group = q.shape[0] // k.shape[0]
+    """Causal (mask None) or masked attention; q has a multiple of k's heads (GQA).
+
+    K/V heads are repeated and a batch dimension added because that is the form torch's fused
+    CPU attention kernel takes; `enable_gqa` or 3-D inputs fall back to a far slower path.
+    """
+    group = q.shape[0] // k.shape[0]
+    if group > 1:
         k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
-    extra = {"enable_gqa": True} if _SDPA_GQA else {}
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, **extra
+    out = F.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale
     )
+    return out[0]
 
 
 def dense_decode_attention(
