@@ -53,10 +53,6 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
-    @property
-    def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self._free if self.blocks[b].key is not None)
-
     # ---- block life cycle -------------------------------------------------------------------
     def _take_free(self) -> int:
         block_id, _ = self._free.popitem(last=False)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 
 import torch
@@ -292,9 +291,7 @@ class LLMEngine:
         return SampleRequest(params, seq.generator, banned)
 
     def _append_token(self, seq: Sequence, token: int, top: TokenLogprobs | None) -> None:
-        request, params = seq.request, seq.request.params
-        if request.first_token_time is None:
-            request.first_token_time = time.monotonic()
+        params = seq.request.params
         seq.token_ids.append(token)
         if top is not None:
             if seq.logprobs is None:

@@ -97,7 +97,6 @@ class ModelRunner:
             prefill_block_tables=_pad(prefill_tables, dev),
             prefill_query_start=query_start,
             prefill_context_lens=prefill_lens,
-            block_size=bs,
         )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
@@ -65,12 +64,10 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival_time: float = field(default_factory=time.monotonic)
     seqs: list[Sequence] = field(default_factory=list)
     # prompt_logprobs[i] is for prompt token i; entry 0 is None (nothing predicts it)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int | None = None  # prompt tokens served from the cache on first admission
-    first_token_time: float | None = None
 
     @property
     def needs_fork(self) -> bool:

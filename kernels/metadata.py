@@ -21,7 +21,6 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks], padded with 0
     prefill_query_start: list[int]  # [num_prefills + 1] offsets into the prefill queries
     prefill_context_lens: list[int]  # [num_prefills] tokens in the cache after this chunk
-    block_size: int
 
     @property
     def num_prefills(self) -> int:
