@@ -78,6 +78,36 @@ def _sampling_param_name(message: str) -> str | None:
     return f"body.{first}" if first in _SAMPLING_FIELDS else None
 
 
+def prepare_request(
+    llm: Any, request: ParsedRequest, sampling_params_cls: Callable[..., Any]
+) -> tuple[str | list[int], Any]:
+    """The engine prompt and sampling params of a parsed line. Raises `BatchRequestError`."""
+    lineno = request.line
+    try:
+        params = sampling_params_cls(**request.sampling)
+    except (ValueError, TypeError) as err:
+        raise BatchRequestError(
+            str(err),
+            code=INVALID_SAMPLING_PARAMS,
+            line=lineno,
+            custom_id=request.custom_id,
+            param=_sampling_param_name(str(err)),
+        ) from None
+    if not request.is_chat:
+        assert request.prompt is not None
+        return request.prompt, params
+    try:
+        return llm.apply_chat_template(request.messages or []), params
+    except Exception as err:  # template errors come in many exception types
+        raise BatchRequestError(
+            f"could not apply the chat template: {err}",
+            code=CHAT_TEMPLATE_ERROR,
+            line=lineno,
+            custom_id=request.custom_id,
+            param="body.messages",
+        ) from None
+
+
 class BatchRunner:
     """Feeds batch lines to an engine and writes one output line per input line."""
 
@@ -128,30 +158,7 @@ class BatchRunner:
         request_id = f"line-{lineno}"
         try:
             request = self.parser.parse(raw, lineno)
-            try:
-                params = self.sampling_params_cls(**request.sampling)
-            except (ValueError, TypeError) as err:
-                raise BatchRequestError(
-                    str(err),
-                    code=INVALID_SAMPLING_PARAMS,
-                    line=lineno,
-                    custom_id=request.custom_id,
-                    param=_sampling_param_name(str(err)),
-                ) from None
-            if request.is_chat:
-                try:
-                    prompt: str | list[int] = self.llm.apply_chat_template(request.messages or [])
-                except Exception as err:  # template errors come in many exception types
-                    raise BatchRequestError(
-                        f"could not apply the chat template: {err}",
-                        code=CHAT_TEMPLATE_ERROR,
-                        line=lineno,
-                        custom_id=request.custom_id,
-                        param="body.messages",
-                    ) from None
-            else:
-                assert request.prompt is not None
-                prompt = request.prompt
+            prompt, params = prepare_request(self.llm, request, self.sampling_params_cls)
             try:
                 self.llm.add_request(request_id, prompt, params)
             except ValueError as err:
@@ -242,6 +249,7 @@ class BatchRunner:
 
 __all__ = [
     "BatchRunner",
+    "prepare_request",
     "BatchStats",
     "count_request_lines",
     "iter_request_lines",

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from conveyor import __version__
+from conveyor.service_cli import SERVICE_SUBCOMMANDS
 
 PROG = "conveyor"
 
@@ -354,6 +355,7 @@ def _cmd_demo_model(args: argparse.Namespace) -> int:
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_run_batch,
     _add_demo_model,
+    *SERVICE_SUBCOMMANDS,
 ]
 
 

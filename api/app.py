@@ -1,0 +1,55 @@
+"""The FastAPI application."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from api import errors
+from api.deps import AppState
+from api.routes import batches, files, system
+from api.storage import FileStore
+from conveyor import __version__
+from conveyor.settings import Settings
+from ledger.db import Ledger
+from worker.celery_app import make_celery
+from worker.reconciler import ReconcilerLoop
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None, *, reconcile: bool = True) -> FastAPI:
+    settings = settings or Settings.from_env()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state = AppState(
+            settings=settings,
+            ledger=Ledger(settings.db_url),
+            celery=make_celery(settings),
+            files=FileStore(settings.files_dir),
+        )
+        app.state.conveyor = state
+        loop = ReconcilerLoop(state.ledger, state.celery, settings) if reconcile else None
+        if loop is not None:
+            loop.start()
+        try:
+            yield
+        finally:
+            if loop is not None:
+                loop.stop()
+            state.ledger.dispose()
+
+    app = FastAPI(
+        title="Conveyor",
+        version=__version__,
+        description="Batch LLM inference: OpenAI-compatible Files and Batches API.",
+        lifespan=lifespan,
+    )
+    errors.install(app)
+    app.include_router(files.router)
+    app.include_router(batches.router)
+    app.include_router(system.router)
+    return app

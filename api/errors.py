@@ -1,0 +1,72 @@
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, never a bare 500."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.type = (
+            status,
+            message,
+            code,
+            param,
+            type,
+        )
+
+
+def not_found(kind: str, object_id: str) -> APIError:
+    return APIError(404, f"no {kind} with id {object_id!r}", code="not_found")
+
+
+def _body(message: str, type: str, code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, err: APIError) -> JSONResponse:
+        return JSONResponse(_body(err.message, err.type, err.code, err.param), err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        problems = []
+        param = None
+        for item in err.errors():
+            loc = [str(p) for p in item.get("loc", ()) if p not in ("body", "query", "path")]
+            param = param or ".".join(loc) or None
+            msg = str(item.get("msg", "invalid")).removeprefix("Value error, ")
+            problems.append(f"{'.'.join(loc) or 'request'}: {msg}")
+        return JSONResponse(
+            _body("; ".join(problems), "invalid_request_error", "invalid_request", param), 400
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            _body(str(err.detail), "invalid_request_error"),
+            err.status_code,
+            headers=getattr(err, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, err: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(_body(f"internal error: {type(err).__name__}", "server_error"), 500)

@@ -1,0 +1,156 @@
+"""`/v1/files`: upload, list, read, download and delete files."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import APIRouter, File, Form, Query, UploadFile
+from fastapi.responses import FileResponse, StreamingResponse
+from sqlalchemy import select
+
+from api import schemas
+from api.deps import AppState, SessionDep, StateDep
+from api.errors import APIError
+from api.services import get_file
+from ledger.ids import new_file_id
+from ledger.models import FileRow, ResultRow
+
+router = APIRouter(prefix="/v1/files", tags=["files"])
+
+PURPOSES = ("batch",)
+PAGE = 1000
+
+
+def file_object(file: FileRow) -> schemas.FileObject:
+    return schemas.FileObject(
+        id=file.id,
+        bytes=file.bytes,
+        created_at=file.created_at,
+        filename=file.filename,
+        purpose=file.purpose,
+    )
+
+
+@router.post("", response_model=schemas.FileObject)
+def upload_file(
+    state: StateDep,
+    file: Annotated[UploadFile, File(description="a JSONL batch input file")],
+    purpose: Annotated[str, Form()],
+) -> schemas.FileObject:
+    if purpose not in PURPOSES:
+        raise APIError(400, f"purpose must be 'batch', got {purpose!r}", param="purpose")
+    file_id = new_file_id()
+    size, lines = state.files.save(file_id, file.file, state.settings.max_upload_bytes)
+    if size == 0:
+        state.files.delete(file_id)
+        raise APIError(400, "the file is empty", code="empty_file", param="file")
+    row = FileRow(
+        id=file_id,
+        filename=file.filename or "upload.jsonl",
+        purpose=purpose,
+        bytes=size,
+        lines=lines,
+        created_at=int(time.time()),
+        storage_path=str(state.files.path(file_id)),
+        deleted=False,
+    )
+    with state.ledger.session() as session:
+        session.add(row)
+    return file_object(row)
+
+
+@router.get("", response_model=schemas.FileList)
+def list_files(
+    session: SessionDep,
+    purpose: str | None = None,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+    order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
+) -> schemas.FileList:
+    query = select(FileRow).where(FileRow.deleted.is_(False))
+    if purpose:
+        query = query.where(FileRow.purpose == purpose)
+    desc = order == "desc"
+    if after:
+        cursor = session.get(FileRow, after)
+        if cursor is not None:
+            key = (cursor.created_at, cursor.id)
+            cols = (FileRow.created_at, FileRow.id)
+            query = query.where(_tuple_lt(cols, key) if desc else _tuple_gt(cols, key))
+    sort = (
+        (FileRow.created_at.desc(), FileRow.id.desc()) if desc else (FileRow.created_at, FileRow.id)
+    )
+    rows = list(session.execute(query.order_by(*sort).limit(limit + 1)).scalars())
+    data = [file_object(f) for f in rows[:limit]]
+    return schemas.FileList(
+        data=data,
+        first_id=data[0].id if data else None,
+        last_id=data[-1].id if data else None,
+        has_more=len(rows) > limit,
+    )
+
+
+def _tuple_lt(cols, key):
+    from sqlalchemy import tuple_
+
+    return tuple_(*cols) < tuple_(*key)
+
+
+def _tuple_gt(cols, key):
+    from sqlalchemy import tuple_
+
+    return tuple_(*cols) > tuple_(*key)
+
+
+@router.get("/{file_id}", response_model=schemas.FileObject)
+def retrieve_file(file_id: str, session: SessionDep) -> schemas.FileObject:
+    return file_object(get_file(session, file_id))
+
+
+@router.get("/{file_id}/content")
+def file_content(file_id: str, state: StateDep, session: SessionDep):
+    file = get_file(session, file_id)
+    if file.batch_id is None:
+        path = state.files.path(file.id)
+        if not path.exists():
+            raise APIError(404, f"the content of file {file_id!r} is gone", code="not_found")
+        return FileResponse(path, media_type="application/jsonl", filename=file.filename)
+    return StreamingResponse(
+        result_lines(state, file.batch_id, ok=file.purpose == "batch_output"),
+        media_type="application/jsonl",
+        headers={"content-disposition": f'attachment; filename="{file.filename}"'},
+    )
+
+
+def result_lines(
+    state: AppState, batch_id: str, ok: bool | None, after_seq: int = 0, limit: int | None = None
+) -> Iterator[bytes]:
+    """Result lines of a batch in commit order, read page by page (never all at once)."""
+    sent = 0
+    while limit is None or sent < limit:
+        page = PAGE if limit is None else min(PAGE, limit - sent)
+        with state.ledger.session() as session:
+            query = select(ResultRow.seq, ResultRow.output).where(
+                ResultRow.batch_id == batch_id, ResultRow.seq > after_seq
+            )
+            if ok is not None:
+                query = query.where(ResultRow.ok.is_(ok))
+            rows = session.execute(query.order_by(ResultRow.seq).limit(page)).all()
+        if not rows:
+            return
+        after_seq = rows[-1][0]
+        sent += len(rows)
+        yield "".join(output + "\n" for _, output in rows).encode()
+        if len(rows) < page:
+            return
+
+
+@router.delete("/{file_id}", response_model=schemas.FileDeleted)
+def delete_file(file_id: str, state: StateDep, session: SessionDep) -> schemas.FileDeleted:
+    file = get_file(session, file_id)
+    file.deleted = True
+    if file.batch_id is None:
+        state.files.delete(file.id)
+    return schemas.FileDeleted(id=file.id)

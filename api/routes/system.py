@@ -1,0 +1,57 @@
+"""Health, readiness and the models that live workers serve."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+from sqlalchemy import select, text
+
+from api import schemas
+from api.deps import SessionDep, StateDep
+from ledger.models import WorkerRow
+from worker.broker import ping
+
+router = APIRouter(tags=["system"])
+
+
+@router.get("/healthz", response_model=schemas.Health)
+def healthz() -> schemas.Health:
+    return schemas.Health(status="ok")
+
+
+@router.get("/readyz", response_model=schemas.Health, responses={503: {"model": schemas.Health}})
+async def readyz(state: StateDep):
+    checks: dict[str, str] = {}
+
+    def check_db() -> None:
+        with state.ledger.session() as session:
+            session.execute(text("SELECT 1"))
+
+    for name, probe in (
+        ("database", check_db),
+        ("broker", lambda: ping(state.settings.broker_url)),
+    ):
+        try:
+            await run_in_threadpool(probe)
+            checks[name] = "ok"
+        except Exception as err:
+            checks[name] = f"unreachable: {type(err).__name__}: {err}"
+    ok = all(v == "ok" for v in checks.values())
+    body = schemas.Health(status="ok" if ok else "unavailable", checks=checks)
+    return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
+
+
+@router.get("/v1/models", response_model=schemas.ModelList)
+def list_models(state: StateDep, session: SessionDep) -> schemas.ModelList:
+    cutoff = time.time() - state.settings.heartbeat_timeout
+    models: dict[str, schemas.Model] = {}
+    for worker in session.execute(select(WorkerRow).where(WorkerRow.last_seen >= cutoff)).scalars():
+        for name in worker.models:
+            if name in models:
+                models[name].workers += 1
+            else:
+                models[name] = schemas.Model(id=name, created=int(worker.started_at), workers=1)
+    return schemas.ModelList(data=list(models.values()))

@@ -1,0 +1,176 @@
+"""Request and response bodies, in the shapes of OpenAI's Files and Batches API.
+
+Fields OpenAI's objects have come first and keep their names and meanings; our extensions are
+extra fields (`model`, `progress`, `eta_seconds`) that OpenAI clients ignore.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+BatchStatus = Literal[
+    "validating",
+    "failed",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "expired",
+    "cancelling",
+    "cancelled",
+]
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: str = "processed"
+    expires_at: int | None = None
+    status_details: str | None = None
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+class BatchCreate(BaseModel):
+    input_file_id: str = Field(min_length=1)
+    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = None
+
+    @field_validator("completion_window")
+    @classmethod
+    def _window(cls, value: str) -> str:
+        from api.services import window_seconds
+
+        window_seconds(value)  # raises ValueError with the rule
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is None:
+            return None
+        if len(value) > 16:
+            raise ValueError("metadata holds at most 16 key-value pairs")
+        for key, item in value.items():
+            if len(key) > 64 or len(item) > 512:
+                raise ValueError("metadata keys are at most 64 characters, values at most 512")
+        return value
+
+
+class BatchError(BaseModel):
+    code: str | None = None
+    message: str | None = None
+    param: str | None = None
+    line: int | None = None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchError]
+
+
+class RequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class Usage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = OutputTokensDetails()
+    total_tokens: int
+
+
+class Batch(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    errors: BatchErrors | None = None
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts
+    metadata: dict[str, str] | None = None
+    usage: Usage
+    # extensions
+    model: str | None = None
+    progress: float = Field(description="fraction of requests with a result, 0..1")
+    eta_seconds: float | None = Field(
+        default=None, description="estimated seconds until every request has a result"
+    )
+
+
+class BatchList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Batch]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "conveyor"
+    workers: int = Field(description="live workers serving this model")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class Health(BaseModel):
+    status: str
+    checks: dict[str, Any] = {}

@@ -1,0 +1,147 @@
+"""The work behind the routes: creating batches from files and describing batches."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+from sqlalchemy.orm import Session
+
+from api import schemas
+from api.deps import AppState
+from api.errors import APIError, not_found
+from ledger import intake
+from ledger import transitions as tr
+from ledger.ids import new_batch_id
+from ledger.models import BatchRow, FileRow
+from worker.celery_app import queue_for, send_shards
+
+log = logging.getLogger(__name__)
+
+
+def window_seconds(window: str) -> int:
+    """`24h` (OpenAI's only window); we also take other `<n>h` / `<n>m` windows."""
+    match = re.fullmatch(r"([1-9][0-9]*)([hm])", window)
+    if not match:
+        raise ValueError(f"completion_window must look like '24h' (hours) or '30m', got {window!r}")
+    n = int(match.group(1))
+    return n * (3600 if match.group(2) == "h" else 60)
+
+
+def get_file(session: Session, file_id: str) -> FileRow:
+    file = session.get(FileRow, file_id)
+    if file is None or file.deleted:
+        raise not_found("file", file_id)
+    return file
+
+
+def get_batch(session: Session, batch_id: str) -> BatchRow:
+    batch = session.get(BatchRow, batch_id)
+    if batch is None:
+        raise not_found("batch", batch_id)
+    return batch
+
+
+def create_batch(state: AppState, body: schemas.BatchCreate) -> str:
+    """Validate the input file, store its requests in shards and enqueue them. Returns the id."""
+    settings = state.settings
+    with state.ledger.session() as session:
+        file = get_file(session, body.input_file_id)
+        if file.purpose != "batch":
+            raise APIError(
+                400,
+                f"file {file.id!r} has purpose {file.purpose!r}; a batch input "
+                "file must be uploaded with purpose 'batch'",
+                param="input_file_id",
+            )
+        path = state.files.path(file.id)
+    now = int(time.time())
+    batch_id = new_batch_id()
+    with open(path, "rb") as f:
+        validation = intake.validate(
+            f, body.endpoint, settings.max_line_bytes, settings.max_batch_lines
+        )
+        sends = []
+        with state.ledger.session() as session:
+            batch = BatchRow(
+                id=batch_id,
+                input_file_id=file.id,
+                endpoint=body.endpoint,
+                completion_window=body.completion_window,
+                model=validation.model,
+                metadata_=body.metadata,
+                created_at=now,
+                total=0,
+                status="validating",
+            )
+            session.add(batch)
+            if validation.errors:
+                batch.status, batch.failed_at, batch.errors = "failed", now, validation.errors
+                return batch_id
+            batch.total = len(validation.records)
+            batch.status, batch.in_progress_at = "in_progress", now
+            batch.expires_at = now + window_seconds(body.completion_window)
+            session.flush()
+            shards = intake.store_requests(
+                session,
+                batch,
+                f,
+                validation,
+                settings.shard_size,
+                queue_for(validation.model or ""),
+            )
+            sends = tr.mark_enqueued(session, shards)
+            if not shards:  # every line was rejected on its own: nothing to run
+                session.flush()
+                tr.maybe_finalize(session, batch_id, settings.heartbeat_timeout)
+    try:
+        send_shards(state.celery, sends)
+    except Exception as err:  # the broker is down: the reconciler sends them when it is back
+        log.warning("could not enqueue the shards of %s (%s); the reconciler will", batch_id, err)
+    return batch_id
+
+
+def batch_object(session: Session, batch: BatchRow) -> schemas.Batch:
+    counts = tr.counts(session, batch.id)
+    total = batch.total
+    progress = 1.0 if batch.status in tr.TERMINAL else (counts.done / total if total else 0.0)
+    eta = None
+    if batch.status == "in_progress" and batch.first_result_at and 0 < counts.done < total:
+        elapsed = max(time.time() - batch.first_result_at, 1e-3)
+        eta = round((total - counts.done) * elapsed / counts.done, 1)
+    errors = None
+    if batch.errors:
+        errors = schemas.BatchErrors(data=[schemas.BatchError(**e) for e in batch.errors])
+    return schemas.Batch(
+        id=batch.id,
+        endpoint=batch.endpoint,
+        errors=errors,
+        input_file_id=batch.input_file_id,
+        completion_window=batch.completion_window,
+        status=batch.status,
+        output_file_id=batch.output_file_id,
+        error_file_id=batch.error_file_id,
+        created_at=batch.created_at,
+        in_progress_at=batch.in_progress_at,
+        expires_at=batch.expires_at,
+        finalizing_at=batch.finalizing_at,
+        completed_at=batch.completed_at,
+        failed_at=batch.failed_at,
+        expired_at=batch.expired_at,
+        cancelling_at=batch.cancelling_at,
+        cancelled_at=batch.cancelled_at,
+        request_counts=schemas.RequestCounts(
+            total=total, completed=counts.completed, failed=counts.failed
+        ),
+        metadata=batch.metadata_,
+        usage=schemas.Usage(
+            input_tokens=counts.prompt_tokens,
+            input_tokens_details=schemas.InputTokensDetails(cached_tokens=counts.cached_tokens),
+            output_tokens=counts.completion_tokens,
+            total_tokens=counts.prompt_tokens + counts.completion_tokens,
+        ),
+        model=batch.model,
+        progress=round(progress, 4),
+        eta_seconds=eta,
+    )

@@ -1,0 +1,97 @@
+"""A small client of the Conveyor REST API (httpx), used by `conveyor submit/status/...`."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+class ConveyorClient:
+    def __init__(self, base_url: str | None = None, timeout: float = 600.0) -> None:
+        self.base_url = (base_url or os.environ.get("CONVEYOR_URL") or DEFAULT_URL).rstrip("/")
+        headers = {}
+        if key := os.environ.get("CONVEYOR_API_KEY"):
+            headers["Authorization"] = f"Bearer {key}"
+        self.http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> ConveyorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check(self, response: httpx.Response) -> httpx.Response:
+        if response.status_code >= 400:
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = response.text[:500]
+            raise APIError(response.status_code, message)
+        return response
+
+    def upload(self, path: Path) -> dict[str, Any]:
+        with open(path, "rb") as f:
+            files = {"file": (path.name, f, "application/jsonl")}
+            return self._check(
+                self.http.post("/v1/files", files=files, data={"purpose": "batch"})
+            ).json()
+
+    def create_batch(
+        self,
+        file_id: str,
+        endpoint: str,
+        window: str = "24h",
+        metadata: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        body = {
+            "input_file_id": file_id,
+            "endpoint": endpoint,
+            "completion_window": window,
+            "metadata": metadata,
+        }
+        return self._check(self.http.post("/v1/batches", json=body)).json()
+
+    def batch(self, batch_id: str) -> dict[str, Any]:
+        return self._check(self.http.get(f"/v1/batches/{batch_id}")).json()
+
+    def cancel(self, batch_id: str) -> dict[str, Any]:
+        return self._check(self.http.post(f"/v1/batches/{batch_id}/cancel")).json()
+
+    def download(self, file_id: str, target: Path) -> int:
+        """Stream a file's content to `target`; returns the number of lines."""
+        lines = 0
+        with self.http.stream("GET", f"/v1/files/{file_id}/content") as response:
+            if response.status_code >= 400:
+                response.read()
+                self._check(response)
+            with open(target, "wb") as out:
+                for chunk in response.iter_bytes():
+                    lines += chunk.count(b"\n")
+                    out.write(chunk)
+        return lines
+
+    def results(self, batch_id: str, after: str | None = None) -> Iterator[dict[str, Any]]:
+        params = {"after": after} if after else {}
+        with self.http.stream("GET", f"/v1/batches/{batch_id}/results", params=params) as r:
+            if r.status_code >= 400:
+                r.read()
+                self._check(r)
+            for line in r.iter_lines():
+                if line.strip():
+                    yield json.loads(line)

@@ -1,0 +1,92 @@
+"""Service settings, read from the environment (every name is documented in README.md).
+
+With no `DATABASE_URL` the ledger is a SQLite file and with no `REDIS_URL` the broker is a
+SQLite file too (kombu's SQLAlchemy transport), both under `CONVEYOR_DATA_DIR`: the embedded
+default that needs no servers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+
+
+@dataclass
+class Settings:
+    data_dir: Path = field(default_factory=lambda: Path("conveyor-data"))
+    database_url: str | None = None
+    redis_url: str | None = None
+    shard_size: int = 32  # requests per shard task
+    # Redis redelivers a task not acknowledged within this many seconds; shards finish far sooner
+    visibility_timeout: int = 3600
+    heartbeat_interval: float = 2.0  # a running shard touches its row this often
+    heartbeat_timeout: float = 30.0  # a running shard whose row is older than this is dead
+    reconcile_interval: float = 10.0
+    max_upload_bytes: int = 200 * 1024 * 1024
+    max_line_bytes: int = 8 * 1024 * 1024
+    max_batch_lines: int = 50_000
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        return cls(
+            data_dir=Path(os.environ.get("CONVEYOR_DATA_DIR") or "conveyor-data"),
+            database_url=os.environ.get("DATABASE_URL") or None,
+            redis_url=os.environ.get("REDIS_URL") or None,
+            shard_size=_env_int("CONVEYOR_SHARD_SIZE", 32),
+            visibility_timeout=_env_int("CONVEYOR_VISIBILITY_TIMEOUT", 3600),
+            heartbeat_interval=_env_float("CONVEYOR_HEARTBEAT_INTERVAL", 2.0),
+            heartbeat_timeout=_env_float("CONVEYOR_HEARTBEAT_TIMEOUT", 30.0),
+            reconcile_interval=_env_float("CONVEYOR_RECONCILE_INTERVAL", 10.0),
+            max_upload_bytes=_env_int("CONVEYOR_MAX_UPLOAD_BYTES", 200 * 1024 * 1024),
+            max_line_bytes=_env_int("CONVEYOR_MAX_LINE_BYTES", 8 * 1024 * 1024),
+            max_batch_lines=_env_int("CONVEYOR_MAX_BATCH_LINES", 50_000),
+        )
+
+    @property
+    def embedded(self) -> bool:
+        return self.database_url is None and self.redis_url is None
+
+    @property
+    def db_url(self) -> str:
+        if self.database_url:
+            return normalize_database_url(self.database_url)
+        return f"sqlite:///{(self.data_dir / 'conveyor.db').resolve()}"
+
+    @property
+    def broker_url(self) -> str:
+        if self.redis_url:
+            return self.redis_url
+        return f"sqla+sqlite:///{(self.data_dir / 'broker.db').resolve()}"
+
+    @property
+    def files_dir(self) -> Path:
+        return self.data_dir / "files"
+
+
+def normalize_database_url(url: str) -> str:
+    """`postgresql://` means psycopg 3 here (SQLAlchemy would pick psycopg2, not installed)."""
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    return url

@@ -1,0 +1,254 @@
+"""Turning an uploaded input file into a batch: validate every line, store requests in shards.
+
+OpenAI's rules decide what fails the whole batch and what fails one line. A line that is not
+JSON, lacks or repeats a `custom_id`, has the wrong `method` or a `url` other than the batch's
+endpoint, has no `body` or no `body.model`, or names a different model than the other lines
+fails the batch (status `failed`, every such line listed in `errors` with its number). A line
+whose body is well-formed but holds bad values (a negative temperature, an empty prompt) fails
+alone: it gets a line in the error file and the rest of the batch runs.
+
+The file is read twice and never held in memory: the first pass validates and keeps a small
+record per line; the second reads the valid lines back in prefix order and inserts them, so
+that each shard holds requests that share a system prompt or prompt prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from sqlalchemy import insert
+from sqlalchemy.orm import Session
+
+from conveyor import openai_batch as ob
+from ledger.ids import new_line_id
+from ledger.models import BatchRow, RequestRow, ResultRow, ShardRow
+
+MAX_LISTED_ERRORS = 1000
+INSERT_CHUNK = 2000
+
+# errors in these fields make the line unusable for any batch: they fail the whole batch
+BATCH_FATAL_CODES = {ob.INVALID_JSON, ob.INVALID_URL, ob.INVALID_METHOD, ob.DUPLICATE_CUSTOM_ID}
+BATCH_FATAL_PARAMS = {None, "custom_id", "method", "url", "body", "body.model"}
+LINE_TOO_LARGE = "line_too_large"
+EMPTY_FILE = "empty_file"
+TOO_MANY_LINES = "too_many_requests"
+MISMATCHED_MODEL = "mismatched_model"
+
+
+@dataclass
+class LineRecord:
+    line: int
+    offset: int
+    length: int
+    custom_id: str
+    prefix_key: str
+    error: ob.BatchRequestError | None = None  # a line-level error: reported, not run
+
+
+@dataclass
+class Validation:
+    records: list[LineRecord] = field(default_factory=list)
+    errors: list[dict[str, Any]] = field(default_factory=list)  # batch-fatal, OpenAI's shape
+    num_errors: int = 0
+    model: str | None = None
+    lines: int = 0
+
+    def fatal(self, code: str, message: str, line: int | None, param: str | None = None) -> None:
+        self.num_errors += 1
+        if len(self.errors) < MAX_LISTED_ERRORS:
+            self.errors.append({"code": code, "message": message, "param": param, "line": line})
+
+
+def iter_lines(f: IO[bytes], max_line_bytes: int) -> Iterator[tuple[int, int, bytes | None]]:
+    """(line number, byte offset, content) for each non-blank line; content None if too long.
+
+    Reads at most `max_line_bytes + 1` bytes of a line at a time, so a huge line costs no more
+    memory than that.
+    """
+    offset, number = 0, 0
+    while True:
+        start = offset
+        chunk = f.readline(max_line_bytes + 1)
+        if not chunk:
+            return
+        number += 1
+        offset += len(chunk)
+        if len(chunk) > max_line_bytes and not chunk.endswith(b"\n"):
+            while chunk and not chunk.endswith(b"\n"):  # skip the rest of the long line
+                chunk = f.readline(1 << 20)
+                offset += len(chunk)
+            yield number, start, None
+            continue
+        if chunk.strip():
+            yield number, start, chunk
+
+
+def prefix_key(request: ob.ParsedRequest) -> str:
+    """What requests that can share KV blocks have in common: the system prompt, or the
+    leading part of the prompt."""
+    if request.messages:
+        first = request.messages[0]
+        lead: Any = (
+            first
+            if first.get("role") in ("system", "developer")
+            else first.get("content", "")[:256]
+        )
+    elif isinstance(request.prompt, str):
+        lead = request.prompt[:256]
+    else:
+        lead = list(request.prompt or [])[:64]
+    return hashlib.blake2b(json.dumps(lead).encode(), digest_size=8).hexdigest()
+
+
+def validate(f: IO[bytes], endpoint: str, max_line_bytes: int, max_lines: int) -> Validation:
+    result = Validation()
+    parser = ob.BatchLineParser()
+    for number, offset, raw in iter_lines(f, max_line_bytes):
+        result.lines += 1
+        if result.lines > max_lines:
+            result.fatal(
+                TOO_MANY_LINES,
+                f"a batch holds at most {max_lines} requests; this file has more",
+                number,
+            )
+            break
+        if raw is None:
+            result.fatal(
+                LINE_TOO_LARGE, f"line is longer than the limit of {max_line_bytes} bytes", number
+            )
+            continue
+        try:
+            request = parser.parse(raw, number)
+        except ob.BatchRequestError as err:
+            if err.code in BATCH_FATAL_CODES or err.param in BATCH_FATAL_PARAMS:
+                result.fatal(err.code, str(err), number, err.param)
+                continue
+            assert err.custom_id is not None  # custom_id errors are batch-fatal
+            result.records.append(LineRecord(number, offset, len(raw), err.custom_id, "", err))
+            continue
+        if request.url != endpoint:
+            result.fatal(
+                ob.INVALID_URL,
+                f'line {number}: "url" {request.url!r} does not match the batch endpoint '
+                f"{endpoint!r}",
+                number,
+                "url",
+            )
+            continue
+        if result.model is None:
+            result.model = request.model
+        elif request.model != result.model:
+            result.fatal(
+                MISMATCHED_MODEL,
+                f'line {number}: "body.model" is {request.model!r} but earlier lines use '
+                f"{result.model!r}; all requests of a batch must use the same model",
+                number,
+                "body.model",
+            )
+            continue
+        result.records.append(
+            LineRecord(number, offset, len(raw), request.custom_id, prefix_key(request))
+        )
+    if result.lines == 0:
+        result.fatal(EMPTY_FILE, "the input file has no requests", None)
+    return result
+
+
+def store_requests(
+    session: Session,
+    batch: BatchRow,
+    f: IO[bytes],
+    validation: Validation,
+    shard_size: int,
+    queue: str,
+) -> list[ShardRow]:
+    """Insert a validated file's requests (in prefix order, sharded) and its line errors."""
+    good = sorted((r for r in validation.records if r.error is None), key=_order)
+    bad = [r for r in validation.records if r.error is not None]
+    now = time.time()
+
+    rows: list[dict[str, Any]] = []
+    shards: list[dict[str, Any]] = []
+    for i, rec in enumerate(good):
+        index = i // shard_size
+        if i % shard_size == 0:
+            shards.append(
+                dict(
+                    batch_id=batch.id,
+                    index=index,
+                    queue=queue,
+                    status="queued",
+                    size=0,
+                    prefix_key=rec.prefix_key,
+                    enqueue_count=0,
+                    attempts=0,
+                )
+            )
+        shards[-1]["size"] += 1
+        rows.append(_request_row(batch.id, f, rec, index))
+        if len(rows) >= INSERT_CHUNK:
+            session.execute(insert(RequestRow), rows)
+            rows = []
+    if rows:
+        session.execute(insert(RequestRow), rows)
+
+    if bad:
+        ids = {}
+        for start in range(0, len(bad), INSERT_CHUNK):
+            part = bad[start : start + INSERT_CHUNK]
+            returned = session.execute(
+                insert(RequestRow).returning(RequestRow.id, RequestRow.line),
+                [_request_row(batch.id, f, rec, None) for rec in part],
+            )
+            ids.update({line: rid for rid, line in returned})
+        results = []
+        for rec in bad:
+            assert rec.error is not None
+            line = ob.error_line_from_exception(rec.error)
+            line["id"] = new_line_id()
+            results.append(
+                dict(
+                    request_id=ids[rec.line],
+                    batch_id=batch.id,
+                    line_id=line["id"],
+                    ok=False,
+                    output=json.dumps(line, ensure_ascii=False),
+                    created_at=now,
+                )
+            )
+        session.execute(insert(ResultRow), results)
+
+    if not shards:
+        return []
+    session.execute(insert(ShardRow), shards)
+    return list(
+        session.query(ShardRow).filter(ShardRow.batch_id == batch.id).order_by(ShardRow.index)
+    )
+
+
+def _order(rec: LineRecord) -> tuple[str, int]:
+    return rec.prefix_key, rec.line
+
+
+def _request_row(batch_id: str, f: IO[bytes], rec: LineRecord, shard: int | None) -> dict:
+    f.seek(rec.offset)
+    raw = f.read(rec.length).decode("utf-8").strip()
+    return dict(
+        batch_id=batch_id,
+        shard_index=shard,
+        line=rec.line,
+        custom_id=rec.custom_id,
+        raw=raw,
+        attempts=0,
+    )
+
+
+def read_validation(path: Path, endpoint: str, max_line_bytes: int, max_lines: int) -> Validation:
+    with open(path, "rb") as f:
+        return validate(f, endpoint, max_line_bytes, max_lines)

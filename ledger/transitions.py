@@ -1,0 +1,309 @@
+"""Batch state changes. Each function runs inside the caller's transaction and re-checks the
+state it starts from, so concurrent callers (API, workers, reconcilers) cannot race a batch
+into two states or record a request's outcome twice.
+
+    validating -> in_progress -> finalizing -> completed
+    validating -> failed
+    in_progress -> expired
+    in_progress -> cancelling -> cancelled
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from conveyor import openai_batch as ob
+from ledger.ids import new_file_id, new_line_id
+from ledger.models import BatchRow, FileRow, RequestRow, ResultRow, ShardRow
+
+BATCH_CANCELLED = "batch_cancelled"
+BATCH_EXPIRED = "batch_expired"
+TERMINAL = {"completed", "failed", "expired", "cancelled"}
+COMPLETION_WINDOWS = {"24h": 24 * 3600}
+
+
+@dataclass
+class Counts:
+    completed: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def done(self) -> int:
+        return self.completed + self.failed
+
+
+def lock_batch(session: Session, batch_id: str) -> BatchRow | None:
+    """The batch row, locked for this transaction on Postgres (SQLite locks the database)."""
+    return session.execute(
+        select(BatchRow).where(BatchRow.id == batch_id).with_for_update()
+    ).scalar_one_or_none()
+
+
+def counts(session: Session, batch_id: str) -> Counts:
+    row = session.execute(
+        select(
+            func.count(ResultRow.seq).filter(ResultRow.ok),
+            func.count(ResultRow.seq).filter(~ResultRow.ok),
+            func.coalesce(func.sum(ResultRow.prompt_tokens), 0),
+            func.coalesce(func.sum(ResultRow.completion_tokens), 0),
+            func.coalesce(func.sum(ResultRow.cached_tokens), 0),
+        ).where(ResultRow.batch_id == batch_id)
+    ).one()
+    return Counts(*(int(x) for x in row))
+
+
+def record_results(session: Session, rows: list[dict[str, Any]]) -> None:
+    """Insert result rows; a request that already has a result keeps its first one."""
+    if not rows:
+        return
+    if session.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as dialect_insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert as dialect_insert
+    stmt = dialect_insert(ResultRow).on_conflict_do_nothing(index_elements=["request_id"])
+    session.execute(stmt, rows)
+    first = min(r["created_at"] for r in rows)
+    for batch_id in {r["batch_id"] for r in rows}:
+        session.execute(
+            update(BatchRow)
+            .where(BatchRow.id == batch_id, BatchRow.first_result_at.is_(None))
+            .values(first_result_at=first)
+        )
+
+
+def unfinished_requests(session: Session, batch_id: str, shard_index: int | None = None):
+    """Requests of the batch (or of one shard) that have no result yet."""
+    query = (
+        select(RequestRow)
+        .outerjoin(ResultRow, ResultRow.request_id == RequestRow.id)
+        .where(RequestRow.batch_id == batch_id, ResultRow.seq.is_(None))
+    )
+    if shard_index is not None:
+        query = query.where(RequestRow.shard_index == shard_index)
+    return session.execute(query.order_by(RequestRow.id)).scalars()
+
+
+def _close_unfinished(session: Session, batch_id: str, code: str, message: str) -> None:
+    now = time.time()
+    rows = []
+    for req in unfinished_requests(session, batch_id):
+        line = ob.build_error_line(req.custom_id, code, message, line=req.line, status_code=None)
+        line["id"] = new_line_id()
+        rows.append(
+            dict(
+                request_id=req.id,
+                batch_id=batch_id,
+                line_id=line["id"],
+                ok=False,
+                output=json.dumps(line, ensure_ascii=False),
+                created_at=now,
+            )
+        )
+    for start in range(0, len(rows), 2000):
+        record_results(session, rows[start : start + 2000])
+
+
+def _write_files(session: Session, batch: BatchRow) -> None:
+    """Output and error files of a finished batch: views of its results, sized now."""
+    now = int(time.time())
+    for ok, purpose, attr in (
+        (True, "batch_output", "output_file_id"),
+        (False, "batch_error", "error_file_id"),
+    ):
+        n, size = session.execute(
+            select(
+                func.count(ResultRow.seq), func.coalesce(func.sum(func.length(ResultRow.output)), 0)
+            ).where(ResultRow.batch_id == batch.id, ResultRow.ok == ok)
+        ).one()
+        if not n:
+            continue
+        file = FileRow(
+            id=new_file_id(),
+            filename=f"{batch.id}_{'output' if ok else 'error'}.jsonl",
+            purpose=purpose,
+            bytes=int(size) + int(n),
+            lines=int(n),
+            created_at=now,
+            batch_id=batch.id,
+            deleted=False,
+        )
+        session.add(file)
+        setattr(batch, attr, file.id)
+
+
+def maybe_finalize(session: Session, batch_id: str, heartbeat_timeout: float) -> str | None:
+    """Move a batch on if its work is over; returns the new status, or None if unchanged."""
+    batch = lock_batch(session, batch_id)
+    if batch is None:
+        return None
+    now = time.time()
+    if batch.status == "in_progress":
+        if batch.expires_at is not None and now >= batch.expires_at:
+            _close_unfinished(
+                session, batch.id, BATCH_EXPIRED, "the batch expired before this request was run"
+            )
+            batch.status, batch.expired_at = "expired", int(now)
+            _write_files(session, batch)
+            _stop_shards(session, batch.id)
+            return batch.status
+        pending = session.execute(
+            select(func.count(RequestRow.id))
+            .outerjoin(ResultRow, ResultRow.request_id == RequestRow.id)
+            .where(RequestRow.batch_id == batch.id, ResultRow.seq.is_(None))
+        ).scalar_one()
+        if pending:
+            return None
+        batch.status, batch.finalizing_at = "finalizing", int(now)
+        _write_files(session, batch)
+        _stop_shards(session, batch.id)
+        batch.status, batch.completed_at = "completed", int(time.time())
+        return batch.status
+    if batch.status == "cancelling":
+        live = session.execute(
+            select(func.count(ShardRow.id)).where(
+                ShardRow.batch_id == batch.id,
+                ShardRow.status == "running",
+                ShardRow.heartbeat_at >= now - heartbeat_timeout,
+            )
+        ).scalar_one()
+        if live:
+            return None
+        _close_unfinished(
+            session,
+            batch.id,
+            BATCH_CANCELLED,
+            "the batch was cancelled before this request was run",
+        )
+        _stop_shards(session, batch.id)
+        batch.status, batch.cancelled_at = "cancelled", int(now)
+        _write_files(session, batch)
+        return batch.status
+    return None
+
+
+def _stop_shards(session: Session, batch_id: str) -> None:
+    session.execute(
+        update(ShardRow)
+        .where(ShardRow.batch_id == batch_id, ShardRow.status != "done")
+        .values(status="done")
+    )
+
+
+def cancel(session: Session, batch_id: str, heartbeat_timeout: float) -> BatchRow | None:
+    """Ask a batch to stop: queued shards will not run, running ones abort their requests."""
+    batch = lock_batch(session, batch_id)
+    if batch is None:
+        return None
+    if batch.status in ("validating", "in_progress"):
+        batch.status, batch.cancelling_at = "cancelling", int(time.time())
+        session.execute(
+            update(ShardRow)
+            .where(ShardRow.batch_id == batch_id, ShardRow.status == "queued")
+            .values(status="done")
+        )
+        session.flush()
+        maybe_finalize(session, batch_id, heartbeat_timeout)
+    return batch
+
+
+def shard_start(session: Session, shard_id: int, worker: str) -> tuple[ShardRow, BatchRow] | None:
+    """Claim a shard for running; None if its batch no longer wants it run."""
+    shard = session.get(ShardRow, shard_id)
+    if shard is None:
+        return None
+    batch = session.get(BatchRow, shard.batch_id)
+    if batch is None or batch.status != "in_progress" or shard.status == "done":
+        return None
+    shard.status, shard.worker, shard.heartbeat_at = "running", worker, time.time()
+    shard.attempts += 1
+    return shard, batch
+
+
+def shard_heartbeat(session: Session, shard_id: int) -> str | None:
+    """Touch a running shard; returns its batch's status so the worker can stop early."""
+    session.execute(
+        update(ShardRow).where(ShardRow.id == shard_id).values(heartbeat_at=time.time())
+    )
+    return session.execute(
+        select(BatchRow.status)
+        .join(ShardRow, ShardRow.batch_id == BatchRow.id)
+        .where(ShardRow.id == shard_id)
+    ).scalar_one_or_none()
+
+
+def shard_finish(session: Session, shard_id: int) -> None:
+    """A shard ran to its end: done if all its requests have results, else queued again."""
+    shard = session.get(ShardRow, shard_id)
+    if shard is None:
+        return
+    batch = session.get(BatchRow, shard.batch_id)
+    if batch is None or batch.status != "in_progress":
+        shard.status, shard.heartbeat_at = "done", None
+        return
+    left = session.execute(
+        select(func.count(RequestRow.id))
+        .outerjoin(ResultRow, ResultRow.request_id == RequestRow.id)
+        .where(
+            RequestRow.batch_id == shard.batch_id,
+            RequestRow.shard_index == shard.index,
+            ResultRow.seq.is_(None),
+        )
+    ).scalar_one()
+    shard.status = "queued" if left else "done"
+    shard.heartbeat_at = None
+
+
+def mark_enqueued(session: Session, shards: Iterable[ShardRow]) -> list[tuple[int, str, str]]:
+    """Give shards fresh task ids; returns (shard id, task id, queue) to send after commit."""
+    now = time.time()
+    out = []
+    for shard in shards:
+        shard.enqueue_count += 1
+        shard.enqueued_at = now
+        shard.status = "queued"
+        out.append((shard.id, shard.task_id, shard.queue))
+    return out
+
+
+def batches_with_status(session: Session, *statuses: str) -> list[str]:
+    return list(session.execute(select(BatchRow.id).where(BatchRow.status.in_(statuses))).scalars())
+
+
+def shards_to_enqueue(
+    session: Session,
+    batch_id: str,
+    live_task_ids: set[str] | None,
+    grace: float,
+    heartbeat_timeout: float,
+) -> list[ShardRow]:
+    """Shards of an in-progress batch that no broker message and no live worker carries.
+
+    `live_task_ids` is every task id the broker holds (waiting or delivered); None when the
+    broker cannot be inspected, in which case only shards whose worker died are taken.
+    """
+    now = time.time()
+    shards = session.execute(
+        select(ShardRow).where(ShardRow.batch_id == batch_id, ShardRow.status != "done")
+    ).scalars()
+    lost = []
+    for shard in shards:
+        if shard.status == "running":
+            alive = shard.heartbeat_at is not None and shard.heartbeat_at >= now - heartbeat_timeout
+        elif shard.enqueued_at is None:  # committed but never sent
+            alive = False
+        else:
+            recent = shard.enqueued_at is not None and shard.enqueued_at >= now - grace
+            alive = recent or live_task_ids is None or shard.task_id in live_task_ids
+        if not alive:
+            lost.append(shard)
+    return lost

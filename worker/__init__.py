@@ -1,0 +1,1 @@
+"""Celery workers that feed one long-lived engine per process, and the reconciler."""

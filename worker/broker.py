@@ -1,0 +1,60 @@
+"""What the broker holds: the task ids of every shard message waiting in a queue or delivered
+to a worker and not yet acknowledged. The reconciler re-sends shards that are in neither."""
+
+from __future__ import annotations
+
+import json
+
+import redis
+
+from worker.celery_app import QUEUE_PREFIX
+
+# kombu's Redis transport keeps delivered, unacknowledged messages in this hash
+UNACKED_KEY = "unacked"
+
+
+def _task_id(payload: bytes | str) -> str | None:
+    try:
+        message = json.loads(payload)
+    except (ValueError, TypeError):
+        return None
+    if isinstance(message, list):  # unacked entries are [message, exchange, routing key]
+        message = message[0] if message else {}
+    headers = message.get("headers") if isinstance(message, dict) else None
+    return headers.get("id") if isinstance(headers, dict) else None
+
+
+def live_task_ids(broker_url: str) -> set[str] | None:
+    """Task ids held by a Redis broker; None for a broker we cannot look into."""
+    if not broker_url.startswith(("redis://", "rediss://", "unix://")):
+        return None
+    client = redis.Redis.from_url(broker_url)
+    try:
+        ids: set[str] = set()
+        for key in client.scan_iter(match=QUEUE_PREFIX + "*", count=1000):
+            if client.type(key) != b"list":
+                continue
+            for payload in client.lrange(key, 0, -1):
+                if (tid := _task_id(payload)) is not None:
+                    ids.add(tid)
+        for payload in client.hvals(UNACKED_KEY):
+            if (tid := _task_id(payload)) is not None:
+                ids.add(tid)
+        return ids
+    finally:
+        client.close()
+
+
+def ping(broker_url: str) -> None:
+    """Raise if the broker cannot be reached."""
+    if broker_url.startswith(("redis://", "rediss://", "unix://")):
+        client = redis.Redis.from_url(broker_url, socket_connect_timeout=2, socket_timeout=2)
+        try:
+            client.ping()
+        finally:
+            client.close()
+        return
+    from kombu import Connection
+
+    with Connection(broker_url, connect_timeout=2) as conn:
+        conn.ensure_connection(max_retries=1)

@@ -1,0 +1,65 @@
+"""A null engine that answers every request at once with its own prompt.
+
+`conveyor worker --model echo` serves it: it measures everything around the engine (API,
+broker, ledger, writer) without spending time on a model.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from engine.outputs import CompletionOutput, RequestOutput
+
+ECHO_MODEL = "echo"
+
+
+@dataclass
+class EchoStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    generation_tokens: int = 0
+
+
+class EchoTokenizer:
+    eos_token_id = None
+
+    def decode(self, ids: list[int], **_: Any) -> str:
+        return " ".join(map(str, ids))
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [str(i) for i in ids]
+
+
+class EchoEngine:
+    def __init__(self) -> None:
+        self.tokenizer = EchoTokenizer()
+        self.pending: deque[RequestOutput] = deque()
+        self.generated = 0
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        return "\n".join(f"{m.get('role')}: {m.get('content') or ''}" for m in messages)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: Any) -> None:
+        text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
+        ids = list(range(len(text.split())))
+        out = CompletionOutput(0, text, ids, None, None, "stop")
+        self.generated += len(ids)
+        self.pending.append(
+            RequestOutput(request_id, text, ids, None, [out], finished=True, num_cached_tokens=0)
+        )
+
+    def step(self) -> list[RequestOutput]:
+        done = list(self.pending)
+        self.pending.clear()
+        return done
+
+    def abort(self, request_id: str) -> None:
+        self.pending = deque(o for o in self.pending if o.request_id != request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pending)
+
+    def stats(self) -> EchoStats:
+        return EchoStats(generation_tokens=self.generated)

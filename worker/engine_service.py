@@ -1,0 +1,118 @@
+"""One engine per worker process, stepped by one thread; shard tasks hand it requests.
+
+The engine is not thread-safe, so only the loop thread touches it: tasks put jobs and aborts on
+queues, and the loop adds them between steps. A step's batch mixes requests of every shard
+(and every batch) in flight in the process. Finished requests go to each job's callback from
+the loop thread, which must return quickly (it hands the output to the result writer).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineJob:
+    request_id: str  # "<batch id>:<request row id>"
+    prompt: str | list[int]
+    params: Any
+    on_done: Callable[[Any], None]  # called with the engine's RequestOutput
+    on_error: Callable[[Exception], None]  # called if the engine refuses the request
+
+    @property
+    def batch_id(self) -> str:
+        return self.request_id.rsplit(":", 1)[0]
+
+
+class EngineService(threading.Thread):
+    def __init__(self, engine: Any) -> None:
+        super().__init__(name="conveyor-engine", daemon=True)
+        self.engine = engine
+        self.inbox: queue.SimpleQueue[EngineJob] = queue.SimpleQueue()
+        self.aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self.jobs: dict[str, EngineJob] = {}
+        self.stopped = threading.Event()
+        self.wakeup = threading.Event()
+        # pairs of batches whose requests ran in the same engine step, and how often
+        self.co_scheduled: Counter[tuple[str, str]] = Counter()
+        self.steps = 0
+        self.failure: BaseException | None = None
+
+    # ---- called from task threads ------------------------------------------------------------
+    def submit(self, job: EngineJob) -> None:
+        self.inbox.put(job)
+        self.wakeup.set()
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.aborts.put(request_id)
+        self.wakeup.set()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.wakeup.set()
+
+    def snapshot(self) -> dict[str, Any]:
+        stats = self.engine.stats()
+        data = {k: v for k, v in vars(stats).items() if isinstance(v, int | float)}
+        data["engine_steps"] = self.steps
+        data["in_flight"] = len(self.jobs)
+        data["co_scheduled"] = [[a, b, n] for (a, b), n in self.co_scheduled.most_common(50)]
+        return data
+
+    # ---- the loop --------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            while not self.stopped.is_set():
+                self._take_aborts()
+                self._take_jobs()
+                if not self.engine.has_unfinished():
+                    self.wakeup.wait(0.5)
+                    self.wakeup.clear()
+                    continue
+                self._record_mix()
+                for output in self.engine.step():
+                    job = self.jobs.pop(output.request_id, None)
+                    if job is not None and getattr(output, "finished", True):
+                        job.on_done(output)
+                self.steps += 1
+        except BaseException as err:  # the engine broke: the process must not look healthy
+            self.failure = err
+            log.exception("the engine loop failed")
+            raise
+
+    def _take_jobs(self) -> None:
+        while True:
+            try:
+                job = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self.engine.add_request(job.request_id, job.prompt, job.params)
+            except ValueError as err:
+                job.on_error(err)
+                continue
+            self.jobs[job.request_id] = job
+
+    def _take_aborts(self) -> None:
+        while True:
+            try:
+                request_id = self.aborts.get_nowait()
+            except queue.Empty:
+                return
+            if self.jobs.pop(request_id, None) is not None:
+                self.engine.abort(request_id)
+
+    def _record_mix(self) -> None:
+        batches = sorted({job.batch_id for job in self.jobs.values()})
+        for i, a in enumerate(batches[:8]):
+            for b in batches[i + 1 : 8]:
+                self.co_scheduled[(a, b)] += 1

@@ -1,0 +1,103 @@
+"""The reconciler: drives every unfinished batch from the ledger alone.
+
+It expires batches past their completion window, finishes cancelled ones whose workers are
+gone, finalizes batches whose requests all have results, and re-sends every shard of an
+in-progress batch that no broker message and no live worker carries (the broker restarted
+empty, a send failed, a worker died). Workers run it at start and periodically; so does the
+API. Re-sending is safe: a shard skips requests that already have results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+
+import redis
+from celery import Celery
+
+from conveyor.settings import Settings
+from ledger import transitions as tr
+from ledger.db import Ledger
+from worker.broker import live_task_ids
+from worker.celery_app import send_shards
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReconcileReport:
+    finalized: int = 0
+    resent: int = 0
+
+
+def reconcile(ledger: Ledger, app: Celery, settings: Settings) -> ReconcileReport:
+    with _lock(settings) as held:
+        if not held:
+            return ReconcileReport()
+        return _reconcile(ledger, app, settings)
+
+
+def _reconcile(ledger: Ledger, app: Celery, settings: Settings) -> ReconcileReport:
+    report = ReconcileReport()
+    with ledger.session() as session:
+        open_batches = tr.batches_with_status(session, "in_progress", "cancelling")
+    for batch_id in open_batches:
+        with ledger.session() as session:
+            if tr.maybe_finalize(session, batch_id, settings.heartbeat_timeout):
+                report.finalized += 1
+    live = live_task_ids(settings.broker_url)
+    grace = max(5.0, settings.heartbeat_timeout)
+    sends = []
+    with ledger.session() as session:
+        for batch_id in tr.batches_with_status(session, "in_progress"):
+            lost = tr.shards_to_enqueue(session, batch_id, live, grace, settings.heartbeat_timeout)
+            sends += tr.mark_enqueued(session, lost)
+    if sends:
+        log.info("re-sending %d shard(s) that no broker message carries", len(sends))
+        send_shards(app, sends)
+        report.resent = len(sends)
+    return report
+
+
+@contextlib.contextmanager
+def _lock(settings: Settings):
+    """One reconciler at a time across processes (a Redis lock; SQLite serializes anyway)."""
+    if not settings.broker_url.startswith(("redis://", "rediss://")):
+        yield True
+        return
+    client = redis.Redis.from_url(settings.broker_url)
+    lock = client.lock("conveyor:reconciler", timeout=120, blocking=False)
+    try:
+        held = lock.acquire()
+        try:
+            yield held
+        finally:
+            if held:
+                with contextlib.suppress(redis.RedisError):
+                    lock.release()
+    finally:
+        client.close()
+
+
+class ReconcilerLoop(threading.Thread):
+    """Runs `reconcile` now and every `settings.reconcile_interval` seconds until stopped."""
+
+    def __init__(self, ledger: Ledger, app: Celery, settings: Settings) -> None:
+        super().__init__(name="conveyor-reconciler", daemon=True)
+        self.ledger, self.app, self.settings = ledger, app, settings
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                reconcile(self.ledger, self.app, self.settings)
+            except Exception:  # the database or broker is down: try again next round
+                log.exception(
+                    "reconcile failed; retrying in %.0fs", self.settings.reconcile_interval
+                )
+            self.stopped.wait(self.settings.reconcile_interval)
+
+    def stop(self) -> None:
+        self.stopped.set()

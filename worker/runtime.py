@@ -1,0 +1,256 @@
+"""Everything a worker process holds for its lifetime: the ledger connection, the engine loop,
+the result writer, the reconciler, and its registration as a live worker.
+
+Celery runs shard tasks on threads of this same process (the threads pool), so every task
+feeds the one engine. `run_shard` is the task body.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from functools import partial
+from typing import Any
+
+from sqlalchemy import delete, update
+
+from conveyor import openai_batch as ob
+from conveyor.batch_runner import prepare_request
+from conveyor.settings import Settings
+from ledger import transitions as tr
+from ledger.db import Ledger
+from ledger.models import RequestRow, WorkerRow
+from worker.celery_app import make_celery, queue_for
+from worker.engine_service import EngineJob, EngineService
+from worker.reconciler import ReconcilerLoop, reconcile
+from worker.writer import ResultWriter, WriteItem
+
+log = logging.getLogger(__name__)
+
+_runtime: WorkerRuntime | None = None
+
+
+def get_runtime() -> WorkerRuntime:
+    if _runtime is None:
+        raise RuntimeError("this process has no worker runtime; start it with `conveyor worker`")
+    return _runtime
+
+
+class Countdown:
+    """Counts a shard's requests down to zero as their results are committed."""
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+        self.cond = threading.Condition()
+
+    def tick(self) -> None:
+        with self.cond:
+            self.left -= 1
+            self.cond.notify_all()
+
+    def wait(self, timeout: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: self.left <= 0, timeout)
+
+
+class WorkerRuntime:
+    def __init__(
+        self,
+        settings: Settings,
+        engine: Any,
+        model_names: list[str],
+        sampling_params_cls: Any,
+        name: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.model_names = list(dict.fromkeys(model_names))
+        self.queues = list(dict.fromkeys(queue_for(m) for m in self.model_names))
+        self.sampling_params_cls = sampling_params_cls
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        self.ledger = Ledger(settings.db_url)
+        self.app = make_celery(settings)
+        self.service = EngineService(engine)
+        self.writer = ResultWriter(self.ledger)
+        self.reconciler = ReconcilerLoop(self.ledger, self.app, settings)
+        self.decoder = ob.TokenDecoder(getattr(engine, "tokenizer", None))
+        self.stopped = threading.Event()
+        self.heartbeat = threading.Thread(
+            target=self._heartbeat_loop, daemon=True, name="conveyor-worker-heartbeat"
+        )
+        self.started_at = time.time()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        global _runtime
+        _runtime = self
+        self._register()
+        self.service.start()
+        self.writer.start()
+        try:
+            reconcile(self.ledger, self.app, self.settings)
+        except Exception:
+            log.exception("the first reconcile failed; the periodic one will retry")
+        self.reconciler.start()
+        self.heartbeat.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.reconciler.stop()
+        self.service.stop()
+        self.writer.stop()
+        self.writer.join(timeout=30)
+        try:
+            with self.ledger.session() as session:
+                session.execute(delete(WorkerRow).where(WorkerRow.id == self.name))
+        except Exception:
+            log.warning("could not deregister worker %s", self.name)
+
+    def _register(self) -> None:
+        with self.ledger.session() as session:
+            session.merge(
+                WorkerRow(
+                    id=self.name,
+                    models=self.model_names,
+                    queues=self.queues,
+                    started_at=self.started_at,
+                    last_seen=time.time(),
+                    stats=self.stats(),
+                )
+            )
+
+    def _heartbeat_loop(self) -> None:
+        while not self.stopped.wait(min(5.0, self.settings.heartbeat_interval * 2)):
+            try:
+                self._register()
+            except Exception:
+                log.warning("worker heartbeat failed; retrying")
+
+    def stats(self) -> dict[str, Any]:
+        data = self.service.snapshot()
+        data["results_committed"] = self.writer.committed
+        data["writer_lag_seconds"] = round(self.writer.lag, 3)
+        return data
+
+    # ---- one shard -------------------------------------------------------------------------
+    def run_shard(self, shard_id: int) -> str:
+        with self.ledger.session() as session:
+            claimed = tr.shard_start(session, shard_id, self.name)
+            if claimed is None:
+                return "skipped"
+            shard, batch = claimed
+            batch_id, index, model = batch.id, shard.index, batch.model or ""
+            requests = [
+                (r.id, r.line, r.raw) for r in tr.unfinished_requests(session, batch_id, index)
+            ]
+            if requests:
+                session.execute(
+                    update(RequestRow)
+                    .where(RequestRow.id.in_([r[0] for r in requests]))
+                    .values(
+                        attempts=RequestRow.attempts + 1, worker=self.name, started_at=time.time()
+                    )
+                )
+        countdown = Countdown(len(requests))
+        engine_ids = []
+        for request_id, line, raw in requests:
+            try:
+                parsed = ob.parse_request_line(raw, line=line)
+                prompt, params = prepare_request(self.engine, parsed, self.sampling_params_cls)
+            except ob.BatchRequestError as err:
+                self._write(batch_id, request_id, ob.error_line_from_exception(err), countdown)
+                continue
+            job = EngineJob(
+                f"{batch_id}:{request_id}",
+                prompt,
+                params,
+                on_done=partial(self._on_done, batch_id, request_id, parsed, model, countdown),
+                on_error=partial(self._on_refused, batch_id, request_id, parsed, countdown),
+            )
+            self.service.submit(job)
+            engine_ids.append(job.request_id)
+
+        while not countdown.wait(self.settings.heartbeat_interval):
+            if self.service.failure is not None:
+                raise RuntimeError("the engine loop failed") from self.service.failure
+            try:
+                with self.ledger.session() as session:
+                    status = tr.shard_heartbeat(session, shard_id)
+            except Exception:
+                log.warning("shard %s heartbeat failed; retrying", shard_id)
+                continue
+            if status != "in_progress":  # cancelled or expired: stop spending the engine on it
+                self.service.abort(engine_ids)
+                break
+        self._finish_shard(shard_id, batch_id)
+        return "done"
+
+    def _finish_shard(self, shard_id: int, batch_id: str) -> None:
+        delay = 0.2
+        while True:
+            try:
+                with self.ledger.session() as session:
+                    tr.shard_finish(session, shard_id)
+                with self.ledger.session() as session:
+                    tr.maybe_finalize(session, batch_id, self.settings.heartbeat_timeout)
+                return
+            except Exception:
+                log.warning("could not close shard %s; retrying in %.1fs", shard_id, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    # ---- results (called from the engine thread) -------------------------------------------
+    def _on_done(self, batch_id, request_id, parsed, model, countdown, output) -> None:
+        try:
+            line = ob.build_output_line(parsed, output, model, self.decoder)
+        except Exception as err:
+            line = ob.build_error_line(
+                parsed.custom_id,
+                ob.INTERNAL_ERROR,
+                f"could not format the result: {type(err).__name__}: {err}",
+                line=parsed.line,
+                status_code=500,
+            )
+            self._write(batch_id, request_id, line, countdown)
+            return
+        completion = sum(len(c.token_ids) for c in output.outputs)
+        self._write(
+            batch_id,
+            request_id,
+            line,
+            countdown,
+            ok=True,
+            prompt_tokens=len(output.prompt_token_ids or []),
+            completion_tokens=0 if parsed.drop_generation else completion,
+            cached_tokens=int(getattr(output, "num_cached_tokens", 0) or 0),
+        )
+
+    def _on_refused(self, batch_id, request_id, parsed, countdown, err: Exception) -> None:
+        line = ob.build_error_line(
+            parsed.custom_id,
+            ob.classify_engine_error(str(err)),
+            str(err),
+            line=parsed.line,
+            param="body.messages" if parsed.is_chat else "body.prompt",
+        )
+        self._write(batch_id, request_id, line, countdown)
+
+    def _write(self, batch_id, request_id, line, countdown, ok=False, **tokens) -> None:
+        row = dict(
+            request_id=request_id,
+            batch_id=batch_id,
+            line_id=line["id"],
+            ok=ok,
+            output=json.dumps(line, ensure_ascii=False),
+            worker=self.name,
+            created_at=time.time(),
+            prompt_tokens=0,
+            completion_tokens=0,
+            cached_tokens=0,
+        )
+        row.update(tokens)
+        self.writer.put(WriteItem(row, countdown.tick))

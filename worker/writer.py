@@ -1,0 +1,92 @@
+"""The result writer: one thread that commits results to the ledger in batches.
+
+The engine never waits on the database. Results queue up here and are inserted many per
+transaction; each item's callback runs only after its row is committed, which is what lets a
+shard task acknowledge its message safely. When the database is unreachable the writer keeps
+the pending rows and retries with backoff, so a database restart loses nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ledger import transitions as tr
+from ledger.db import Ledger
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WriteItem:
+    row: dict[str, Any]  # a `results` row
+    on_committed: Callable[[], None]
+
+
+class ResultWriter(threading.Thread):
+    def __init__(self, ledger: Ledger, max_rows: int = 1000, max_delay: float = 0.05) -> None:
+        super().__init__(name="conveyor-result-writer", daemon=True)
+        self.ledger = ledger
+        self.max_rows, self.max_delay = max_rows, max_delay
+        self.items: queue.SimpleQueue[WriteItem] = queue.SimpleQueue()
+        self.stopped = threading.Event()
+        self.committed = 0
+        self.lag = 0.0  # seconds the last committed batch of rows waited
+
+    def put(self, item: WriteItem) -> None:
+        self.items.put(item)
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def run(self) -> None:
+        while not (self.stopped.is_set() and self.items.empty()):
+            batch = self._collect()
+            if batch:
+                self._commit(batch)
+
+    def _collect(self) -> list[WriteItem]:
+        try:
+            first = self.items.get(timeout=0.2)
+        except queue.Empty:
+            return []
+        batch = [first]
+        deadline = time.monotonic() + self.max_delay
+        while len(batch) < self.max_rows:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                batch.append(self.items.get(timeout=remaining))
+            except queue.Empty:
+                break
+        return batch
+
+    def _commit(self, batch: list[WriteItem]) -> None:
+        delay = 0.2
+        while True:
+            try:
+                with self.ledger.session() as session:
+                    tr.record_results(session, [item.row for item in batch])
+                break
+            except Exception as err:
+                log.warning(
+                    "could not commit %d results (%s); retrying in %.1fs",
+                    len(batch),
+                    type(err).__name__,
+                    delay,
+                )
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        self.committed += len(batch)
+        self.lag = time.time() - min(item.row["created_at"] for item in batch)
+        for item in batch:
+            try:
+                item.on_committed()
+            except Exception:
+                log.exception("a result callback failed")
