@@ -21,12 +21,13 @@ log = logging.getLogger(__name__)
 
 
 def window_seconds(window: str) -> int:
-    """`24h` (OpenAI's only window); we also take other `<n>h` / `<n>m` windows."""
-    match = re.fullmatch(r"([1-9][0-9]*)([hm])", window)
+    """`24h` (OpenAI's only window); we also take other `<n>h`, `<n>m` and `<n>s` windows."""
+    match = re.fullmatch(r"([1-9][0-9]*)([hms])", window)
     if not match:
-        raise ValueError(f"completion_window must look like '24h' (hours) or '30m', got {window!r}")
-    n = int(match.group(1))
-    return n * (3600 if match.group(2) == "h" else 60)
+        raise ValueError(
+            f"completion_window must look like '24h' (hours), '30m' or '90s', got {window!r}"
+        )
+    return int(match.group(1)) * {"h": 3600, "m": 60, "s": 1}[match.group(2)]
 
 
 def get_file(session: Session, file_id: str) -> FileRow:

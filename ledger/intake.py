@@ -130,34 +130,65 @@ def validate(f: IO[bytes], endpoint: str, max_line_bytes: int, max_lines: int) -
                 result.fatal(err.code, str(err), number, err.param)
                 continue
             assert err.custom_id is not None  # custom_id errors are batch-fatal
-            result.records.append(LineRecord(number, offset, len(raw), err.custom_id, "", err))
+            # the parser only flags a repeated custom_id on lines that parse: a repeat on a
+            # line with bad values would give one custom_id two results
+            first = parser.seen.get(err.custom_id)
+            if first != number:
+                result.fatal(
+                    ob.DUPLICATE_CUSTOM_ID,
+                    f'line {number}: duplicate "custom_id" {json.dumps(err.custom_id)} '
+                    f"(first used on line {first})",
+                    number,
+                    "custom_id",
+                )
+                continue
+            url, model = _url_and_model(raw)
+            if _check_batch_fields(result, endpoint, number, url, model):
+                result.records.append(LineRecord(number, offset, len(raw), err.custom_id, "", err))
             continue
-        if request.url != endpoint:
-            result.fatal(
-                ob.INVALID_URL,
-                f'line {number}: "url" {request.url!r} does not match the batch endpoint '
-                f"{endpoint!r}",
-                number,
-                "url",
+        if _check_batch_fields(result, endpoint, number, request.url, request.model):
+            result.records.append(
+                LineRecord(number, offset, len(raw), request.custom_id, prefix_key(request))
             )
-            continue
-        if result.model is None:
-            result.model = request.model
-        elif request.model != result.model:
-            result.fatal(
-                MISMATCHED_MODEL,
-                f'line {number}: "body.model" is {request.model!r} but earlier lines use '
-                f"{result.model!r}; all requests of a batch must use the same model",
-                number,
-                "body.model",
-            )
-            continue
-        result.records.append(
-            LineRecord(number, offset, len(raw), request.custom_id, prefix_key(request))
-        )
     if result.lines == 0:
         result.fatal(EMPTY_FILE, "the input file has no requests", None)
     return result
+
+
+def _url_and_model(raw: bytes) -> tuple[str | None, str | None]:
+    """`url` and `body.model` of a line that is a JSON object (one the parser got into)."""
+    obj = json.loads(raw)
+    body = obj.get("body")
+    model = body.get("model") if isinstance(body, dict) else None
+    return obj.get("url"), model if isinstance(model, str) else None
+
+
+def _check_batch_fields(
+    result: Validation, endpoint: str, number: int, url: str | None, model: str | None
+) -> bool:
+    """Whether the line's `url` and `body.model` agree with the batch; if not, a fatal error."""
+    if url != endpoint:
+        result.fatal(
+            ob.INVALID_URL,
+            f'line {number}: "url" {url!r} does not match the batch endpoint {endpoint!r}',
+            number,
+            "url",
+        )
+        return False
+    if model is None:
+        return True
+    if result.model is None:
+        result.model = model
+    elif model != result.model:
+        result.fatal(
+            MISMATCHED_MODEL,
+            f'line {number}: "body.model" is {model!r} but earlier lines use '
+            f"{result.model!r}; all requests of a batch must use the same model",
+            number,
+            "body.model",
+        )
+        return False
+    return True
 
 
 def store_requests(

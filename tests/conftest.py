@@ -8,6 +8,8 @@ import torch
 
 from conveyor.demo_model import write_tiny_model
 
+pytest_plugins = ["services"]
+
 ARCHS = ("llama", "qwen2", "qwen3")
 
 
