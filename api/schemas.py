@@ -51,7 +51,7 @@ class FileDeleted(BaseModel):
 class BatchCreate(BaseModel):
     input_file_id: str = Field(min_length=1)
     endpoint: Literal["/v1/chat/completions", "/v1/completions"]
-    completion_window: str = "24h"
+    completion_window: str = Field(default="24h", max_length=16)
     metadata: dict[str, str] | None = None
 
     @field_validator("completion_window")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,21 @@ class ConveyorClient:
                 message = response.text[:500]
             raise APIError(response.status_code, message)
         return response
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait until `/readyz` answers 200 (the API is up and reaches its database and broker)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.http.get("/readyz", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise APIError(
+                    503, f"the API at {self.base_url} was not ready after {timeout:.0f}s"
+                )
+            time.sleep(0.5)
 
     def upload(self, path: Path) -> dict[str, Any]:
         with open(path, "rb") as f:

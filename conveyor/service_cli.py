@@ -206,6 +206,13 @@ def add_submit(sub: argparse._SubParsersAction) -> None:
         help="with --wait: failed requests tolerated before exiting non-zero",
     )
     p.add_argument("--poll", type=float, default=1.0, help="seconds between status polls")
+    p.add_argument(
+        "--wait-api",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="wait up to this long for the API to be ready before uploading",
+    )
     _add_url(p)
     p.set_defaults(func=cmd_submit)
 
@@ -261,6 +268,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     endpoint = args.endpoint or url or "/v1/chat/completions"
     try:
         with ConveyorClient(args.url) as client:
+            if args.wait_api:
+                client.wait_ready(args.wait_api)
             file = client.upload(path)
             batch = client.create_batch(
                 file["id"], endpoint, args.completion_window, metadata or None

@@ -185,6 +185,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def running_request_ids(self) -> set[str]:
+        """Ids of the requests that have a sequence in the running batch."""
+        return {seq.request.request_id for seq in self.scheduler.running}
+
     def stats(self) -> EngineStats:
         bm, counters = self.block_manager, self.scheduler.counters
         return EngineStats(

@@ -39,6 +39,9 @@ LINE_TOO_LARGE = "line_too_large"
 EMPTY_FILE = "empty_file"
 TOO_MANY_LINES = "too_many_requests"
 MISMATCHED_MODEL = "mismatched_model"
+# the ledger's column sizes: longer values fail the batch rather than the insert
+CUSTOM_ID_CHARS = RequestRow.__table__.c.custom_id.type.length
+MODEL_CHARS = BatchRow.__table__.c.model.type.length
 
 
 @dataclass
@@ -62,7 +65,9 @@ class Validation:
     def fatal(self, code: str, message: str, line: int | None, param: str | None = None) -> None:
         self.num_errors += 1
         if len(self.errors) < MAX_LISTED_ERRORS:
-            self.errors.append({"code": code, "message": message, "param": param, "line": line})
+            self.errors.append(
+                {"code": code, "message": _clean(message), "param": param, "line": line}
+            )
 
 
 def iter_lines(f: IO[bytes], max_line_bytes: int) -> Iterator[tuple[int, int, bytes | None]]:
@@ -123,6 +128,8 @@ def validate(f: IO[bytes], endpoint: str, max_line_bytes: int, max_lines: int) -
                 LINE_TOO_LARGE, f"line is longer than the limit of {max_line_bytes} bytes", number
             )
             continue
+        request: ob.ParsedRequest | None = None
+        error: ob.BatchRequestError | None = None
         try:
             request = parser.parse(raw, number)
         except ob.BatchRequestError as err:
@@ -142,14 +149,14 @@ def validate(f: IO[bytes], endpoint: str, max_line_bytes: int, max_lines: int) -
                     "custom_id",
                 )
                 continue
+            error, custom_id = err, err.custom_id
             url, model = _url_and_model(raw)
-            if _check_batch_fields(result, endpoint, number, url, model):
-                result.records.append(LineRecord(number, offset, len(raw), err.custom_id, "", err))
+        else:
+            custom_id, url, model = request.custom_id, request.url, request.model
+        if not _check_batch_fields(result, endpoint, number, custom_id, url, model):
             continue
-        if _check_batch_fields(result, endpoint, number, request.url, request.model):
-            result.records.append(
-                LineRecord(number, offset, len(raw), request.custom_id, prefix_key(request))
-            )
+        key = prefix_key(request) if request is not None else ""
+        result.records.append(LineRecord(number, offset, len(raw), custom_id, key, error))
     if result.lines == 0:
         result.fatal(EMPTY_FILE, "the input file has no requests", None)
     return result
@@ -163,10 +170,38 @@ def _url_and_model(raw: bytes) -> tuple[str | None, str | None]:
     return obj.get("url"), model if isinstance(model, str) else None
 
 
+def _unstorable(value: str, limit: int | None) -> str | None:
+    """Why the ledger cannot hold `value` in a column of `limit` characters, if it cannot."""
+    if limit is not None and len(value) > limit:
+        return f"is longer than {limit} characters"
+    if "\x00" in value:
+        return "must not contain NUL characters"
+    if _clean(value) != value:
+        return "must not contain lone surrogates (it is not valid Unicode)"
+    return None
+
+
+def _clean(text: str) -> str:
+    """`text` with lone surrogates (which JSON escapes can make) written as `\\udXXX` escapes:
+    the ledger stores UTF-8, which cannot encode them."""
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _check_batch_fields(
-    result: Validation, endpoint: str, number: int, url: str | None, model: str | None
+    result: Validation,
+    endpoint: str,
+    number: int,
+    custom_id: str,
+    url: str | None,
+    model: str | None,
 ) -> bool:
-    """Whether the line's `url` and `body.model` agree with the batch; if not, a fatal error."""
+    """Whether the line's `custom_id`, `url` and `body.model` fit the batch and the ledger;
+    if not, a batch-fatal error."""
+    if problem := _unstorable(custom_id, CUSTOM_ID_CHARS):
+        result.fatal(
+            ob.INVALID_REQUEST, f'line {number}: "custom_id" {problem}', number, "custom_id"
+        )
+        return False
     if url != endpoint:
         result.fatal(
             ob.INVALID_URL,
@@ -177,6 +212,11 @@ def _check_batch_fields(
         return False
     if model is None:
         return True
+    if problem := _unstorable(model, MODEL_CHARS):
+        result.fatal(
+            ob.INVALID_REQUEST, f'line {number}: "body.model" {problem}', number, "body.model"
+        )
+        return False
     if result.model is None:
         result.model = model
     elif model != result.model:
@@ -249,7 +289,7 @@ def store_requests(
                     batch_id=batch.id,
                     line_id=line["id"],
                     ok=False,
-                    output=json.dumps(line, ensure_ascii=False),
+                    output=_clean(json.dumps(line, ensure_ascii=False)),
                     created_at=now,
                 )
             )

@@ -73,7 +73,7 @@ def record_results(session: Session, rows: list[dict[str, Any]]) -> None:
     stmt = dialect_insert(ResultRow).on_conflict_do_nothing(index_elements=["request_id"])
     session.execute(stmt, rows)
     first = min(r["created_at"] for r in rows)
-    for batch_id in {r["batch_id"] for r in rows}:
+    for batch_id in sorted({r["batch_id"] for r in rows}):  # one lock order: no deadlocks
         session.execute(
             update(BatchRow)
             .where(BatchRow.id == batch_id, BatchRow.first_result_at.is_(None))

@@ -60,7 +60,7 @@ def _find_binary(name: str) -> str | None:
     return candidates[0] if candidates else None
 
 
-def _start_postgres(root: Path) -> tuple[str, subprocess.Popen | None, Path]:
+def _start_postgres(root: Path) -> tuple[str, list[str]]:
     initdb, pg_ctl = _find_binary("initdb"), _find_binary("pg_ctl")
     if not (initdb and pg_ctl):
         pytest.fail(
@@ -69,21 +69,22 @@ def _start_postgres(root: Path) -> tuple[str, subprocess.Popen | None, Path]:
         )
     data, port = root / "pg", free_port()
     user = "postgres"
+    as_user: list[str] = []
+    if os.geteuid() == 0:  # PostgreSQL refuses to run as root: use its system account
+        runuser = shutil.which("runuser")
+        if not runuser:
+            pytest.fail("PostgreSQL cannot run as root and runuser is missing; set DATABASE_URL")
+        as_user = [runuser, "-u", "postgres", "--"]
+        shutil.chown(root, "postgres")
     subprocess.run(
-        [initdb, "-D", str(data), "-U", user, "--auth=trust"], check=True, capture_output=True
+        [*as_user, initdb, "-D", str(data), "-U", user, "--auth=trust"],
+        check=True,
+        capture_output=True,
     )
+    options = f"-p {port} -k {root} -h 127.0.0.1"
+    log = str(root / "pg.log")
     subprocess.run(
-        [
-            pg_ctl,
-            "-D",
-            str(data),
-            "-o",
-            f"-p {port} -k {root} -h 127.0.0.1",
-            "-l",
-            str(root / "pg.log"),
-            "-w",
-            "start",
-        ],
+        [*as_user, pg_ctl, "-D", str(data), "-o", options, "-l", log, "-w", "start"],
         check=True,
         capture_output=True,
     )
@@ -93,7 +94,8 @@ def _start_postgres(root: Path) -> tuple[str, subprocess.Popen | None, Path]:
     with engine.connect() as conn:
         conn.execute(sa.text("CREATE DATABASE test"))
     engine.dispose()
-    return f"postgresql://{user}@127.0.0.1:{port}/test", None, data
+    stop = [*as_user, pg_ctl, "-D", str(data), "-m", "immediate", "stop"]
+    return f"postgresql://{user}@127.0.0.1:{port}/test", stop
 
 
 def _start_redis(root: Path) -> tuple[str, subprocess.Popen]:

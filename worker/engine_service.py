@@ -27,9 +27,9 @@ class EngineJob:
     on_done: Callable[[Any], None]  # called with the engine's RequestOutput
     on_error: Callable[[Exception], None]  # called if the engine refuses the request
 
-    @property
-    def batch_id(self) -> str:
-        return self.request_id.rsplit(":", 1)[0]
+    @staticmethod
+    def batch_of(request_id: str) -> str:
+        return request_id.rsplit(":", 1)[0]
 
 
 class EngineService(threading.Thread):
@@ -78,8 +78,9 @@ class EngineService(threading.Thread):
                     self.wakeup.wait(0.5)
                     self.wakeup.clear()
                     continue
-                self._record_mix()
-                for output in self.engine.step():
+                finished = self.engine.step()
+                self._record_mix(finished)
+                for output in finished:
                     job = self.jobs.pop(output.request_id, None)
                     if job is not None and getattr(output, "finished", True):
                         job.on_done(output)
@@ -111,8 +112,12 @@ class EngineService(threading.Thread):
             if self.jobs.pop(request_id, None) is not None:
                 self.engine.abort(request_id)
 
-    def _record_mix(self) -> None:
-        batches = sorted({job.batch_id for job in self.jobs.values()})
+    def _record_mix(self, finished: list[Any]) -> None:
+        """Count the pairs of batches whose requests were in the step that just ran."""
+        running = getattr(self.engine, "running_request_ids", None)
+        ids = set(running()) if running else set(self.jobs)
+        ids.update(output.request_id for output in finished)
+        batches = sorted({EngineJob.batch_of(i) for i in ids})
         for i, a in enumerate(batches[:8]):
             for b in batches[i + 1 : 8]:
                 self.co_scheduled[(a, b)] += 1

@@ -21,6 +21,7 @@ router = APIRouter(prefix="/v1/files", tags=["files"])
 
 PURPOSES = ("batch",)
 PAGE = 1000
+FILENAME_CHARS = FileRow.__table__.c.filename.type.length
 
 
 def file_object(file: FileRow) -> schemas.FileObject:
@@ -41,6 +42,13 @@ def upload_file(
 ) -> schemas.FileObject:
     if purpose not in PURPOSES:
         raise APIError(400, f"purpose must be 'batch', got {purpose!r}", param="purpose")
+    filename = file.filename or "upload.jsonl"
+    if len(filename) > FILENAME_CHARS or "\x00" in filename:
+        raise APIError(
+            400,
+            f"the file name must be at most {FILENAME_CHARS} characters, without NUL",
+            param="file",
+        )
     file_id = new_file_id()
     size, lines = state.files.save(file_id, file.file, state.settings.max_upload_bytes)
     if size == 0:
@@ -48,7 +56,7 @@ def upload_file(
         raise APIError(400, "the file is empty", code="empty_file", param="file")
     row = FileRow(
         id=file_id,
-        filename=file.filename or "upload.jsonl",
+        filename=filename,
         purpose=purpose,
         bytes=size,
         lines=lines,

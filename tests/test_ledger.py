@@ -1,0 +1,138 @@
+"""The ledger on real PostgreSQL (and SQLite): migrations, at-most-once results, sharding."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from services import batch_lines
+
+from conveyor.settings import normalize_database_url
+from ledger import intake
+from ledger import transitions as tr
+from ledger.db import Ledger
+from ledger.models import BatchRow, RequestRow, ResultRow, ShardRow
+
+TABLES = {"files", "batches", "shards", "requests", "results", "workers", "alembic_version"}
+
+
+def migrate(url: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "conveyor", "migrate", "--database-url", url],
+        capture_output=True,
+        text=True,
+    )
+
+
+@pytest.fixture
+def empty_database(postgres_server: str):
+    import uuid
+
+    admin = sa.create_engine(normalize_database_url(postgres_server), isolation_level="AUTOCOMMIT")
+    name = f"conveyor_m_{uuid.uuid4().hex[:8]}"
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    url = normalize_database_url(postgres_server).rsplit("/", 1)[0] + f"/{name}"
+    yield url
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
+def test_migrate_creates_the_ledger(backend, empty_database, tmp_path: Path):
+    url = empty_database if backend == "postgresql" else f"sqlite:///{tmp_path / 'l.db'}"
+    first = migrate(url)
+    assert first.returncode == 0, first.stderr
+    assert "revision 0001" in first.stdout
+    engine = sa.create_engine(url)
+    assert set(sa.inspect(engine).get_table_names()) >= TABLES
+    engine.dispose()
+    again = migrate(url)  # idempotent
+    assert again.returncode == 0, again.stderr
+
+
+def make_batch(ledger: Ledger, lines: list[dict], shard_size: int = 4) -> tuple[str, list]:
+    data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    f = io.BytesIO(data)
+    validation = intake.validate(f, "/v1/chat/completions", 1 << 20, 1000)
+    assert not validation.errors
+    with ledger.session() as session:
+        batch = BatchRow(
+            id=f"batch_{time.time_ns()}",
+            input_file_id="file-x",
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            model=validation.model,
+            status="in_progress",
+            created_at=0,
+            total=len(validation.records),
+        )
+        session.add(batch)
+        session.flush()
+        shards = intake.store_requests(session, batch, f, validation, shard_size, "q")
+        return batch.id, [(s.id, s.index, s.prefix_key) for s in shards]
+
+
+def test_a_result_is_recorded_at_most_once(database_url: str):
+    ledger = Ledger(normalize_database_url(database_url))
+    batch_id, _ = make_batch(ledger, batch_lines(3))
+    with ledger.session() as session:
+        rid = session.execute(sa.select(RequestRow.id).limit(1)).scalar_one()
+
+    def row(text: str) -> dict:
+        return dict(
+            request_id=rid,
+            batch_id=batch_id,
+            line_id=text,
+            ok=True,
+            output=text,
+            created_at=time.time(),
+        )
+
+    with ledger.session() as session:
+        tr.record_results(session, [row("first")])
+    with ledger.session() as session:
+        tr.record_results(session, [row("second")])  # a redelivered shard's duplicate
+    with ledger.session() as session:
+        outputs = (
+            session.execute(sa.select(ResultRow.output).where(ResultRow.request_id == rid))
+            .scalars()
+            .all()
+        )
+        assert outputs == ["first"]
+        # the constraint itself, not only the code, refuses a second result
+        with pytest.raises(sa.exc.IntegrityError), session.begin_nested():
+            session.execute(sa.insert(ResultRow), [row("third")])
+    ledger.dispose()
+
+
+def test_shards_group_requests_by_system_prompt(database_url: str):
+    ledger = Ledger(normalize_database_url(database_url))
+    lines = []
+    for i in range(12):  # three system prompts, interleaved
+        system = f"system prompt {i % 3}"
+        lines += batch_lines(1, system=system, prefix=f"r{i}")
+    batch_id, shards = make_batch(ledger, lines, shard_size=4)
+    assert len(shards) == 3
+    with ledger.session() as session:
+        for _, index, _ in shards:
+            raws = (
+                session.execute(
+                    sa.select(RequestRow.raw).where(
+                        RequestRow.batch_id == batch_id, RequestRow.shard_index == index
+                    )
+                )
+                .scalars()
+                .all()
+            )
+            systems = {json.loads(r)["body"]["messages"][0]["content"] for r in raws}
+            assert len(raws) == 4 and len(systems) == 1
+        assert session.execute(sa.select(sa.func.count(ShardRow.id))).scalar_one() == 3
+    ledger.dispose()
