@@ -156,12 +156,32 @@ def maybe_finalize(session: Session, batch_id: str, heartbeat_timeout: float) ->
             _write_files(session, batch)
             _stop_shards(session, batch.id)
             return batch.status
+        # cheap test first (shards are few); the exact one over all requests only at the end
+        open_shard = session.execute(
+            select(ShardRow.id)
+            .where(ShardRow.batch_id == batch.id, ShardRow.status != "done")
+            .limit(1)
+        ).first()
+        if open_shard is not None:
+            return None
         pending = session.execute(
             select(func.count(RequestRow.id))
             .outerjoin(ResultRow, ResultRow.request_id == RequestRow.id)
             .where(RequestRow.batch_id == batch.id, ResultRow.seq.is_(None))
         ).scalar_one()
-        if pending:
+        if pending:  # a shard closed with requests left: reopen it for the reconciler
+            session.execute(
+                update(ShardRow)
+                .where(
+                    ShardRow.batch_id == batch.id,
+                    ShardRow.index.in_(
+                        select(RequestRow.shard_index)
+                        .outerjoin(ResultRow, ResultRow.request_id == RequestRow.id)
+                        .where(RequestRow.batch_id == batch.id, ResultRow.seq.is_(None))
+                    ),
+                )
+                .values(status="queued", enqueued_at=None)
+            )
             return None
         batch.status, batch.finalizing_at = "finalizing", int(now)
         _write_files(session, batch)
