@@ -97,6 +97,12 @@ class ModelRunner:
             prefill_block_tables=_pad(prefill_tables, dev),
             prefill_query_start=query_start,
             prefill_context_lens=prefill_lens,
+            prefill_query_start_tensor=torch.tensor(query_start, dtype=torch.long, device=dev),
+            prefill_context_lens_tensor=torch.tensor(prefill_lens, dtype=torch.long, device=dev),
+            decode_max_context_len=max(decode_lens, default=0),
+            prefill_max_query_len=max(
+                (b - a for a, b in zip(query_start, query_start[1:], strict=False)), default=0
+            ),
         )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),

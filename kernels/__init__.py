@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
@@ -62,15 +63,90 @@ class TorchPagedAttention:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+class TritonPagedAttention:
+    """The CUDA path: Triton kernels that read and write the KV pages in place."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from kernels import triton_paged
+
+        self.kernels = triton_paged
+
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale):  # noqa: D102
+        tk = self.kernels
+        tk.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        d = meta.num_decode_tokens
+        out = torch.empty_like(query)
+        if d:
+            tk.paged_decode_attention(
+                query[:d],
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                scale,
+                max_context_len=meta.decode_max_context_len or None,
+                out=out[:d],
+            )
+        if meta.num_prefills:
+            query_start, context_lens = (
+                meta.prefill_query_start_tensor,
+                meta.prefill_context_lens_tensor,
+            )
+            if query_start is None or context_lens is None:
+                query_start = torch.tensor(meta.prefill_query_start, device=query.device)
+                context_lens = torch.tensor(meta.prefill_context_lens, device=query.device)
+            tk.paged_prefill_attention(
+                query[d:],
+                k_cache,
+                v_cache,
+                meta.prefill_block_tables,
+                query_start,
+                context_lens,
+                scale,
+                max_query_len=meta.prefill_max_query_len or None,
+                out=out[d:],
+            )
+        return out
+
+
+def triton_available(device: torch.device) -> bool:
+    """Whether the Triton kernels can run on `device` (CUDA, or the CPU interpreter)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
-    if name == "triton":
-        raise NotImplementedError(
-            "the Triton paged-attention backend is not available in this version; "
-            "use attention_backend='torch'"
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and triton_available(device) else "torch"
+    if name == "torch":
+        return TorchPagedAttention()
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "attention_backend='triton' needs the triton package: pip install 'conveyor[gpu]'"
+        ) from None
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"attention_backend='triton' runs on CUDA devices; on {device.type} it needs Triton's "
+            "interpreter: set TRITON_INTERPRET=1 before starting (slow, for testing), or use "
+            "attention_backend='torch'"
         )
-    return TorchPagedAttention()
+    return TritonPagedAttention()
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "TorchPagedAttention", "get_attention_backend"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "TorchPagedAttention",
+    "TritonPagedAttention",
+    "get_attention_backend",
+    "triton_available",
+]

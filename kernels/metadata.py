@@ -21,6 +21,11 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks], padded with 0
     prefill_query_start: list[int]  # [num_prefills + 1] offsets into the prefill queries
     prefill_context_lens: list[int]  # [num_prefills] tokens in the cache after this chunk
+    # the same on the device, and the maxima, for kernels that must not sync with the host
+    prefill_query_start_tensor: torch.Tensor | None = None
+    prefill_context_lens_tensor: torch.Tensor | None = None
+    decode_max_context_len: int = 0
+    prefill_max_query_len: int = 0
 
     @property
     def num_prefills(self) -> int:
