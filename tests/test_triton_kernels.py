@@ -221,3 +221,13 @@ def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         get_attention_backend("triton", torch.device("cpu"))
     assert get_attention_backend("auto", torch.device("cpu")).name == "torch"
+
+
+def test_kernel_benchmark_says_when_there_is_no_gpu():
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.fail("this machine has a GPU: run bench/kernels.py itself")
+    done = subprocess.run([sys.executable, "bench/kernels.py"], capture_output=True, text=True)
+    assert done.returncode == 0 and "no CUDA GPU" in done.stdout
