@@ -72,7 +72,18 @@ class BatchCreate(BaseModel):
         for key, item in value.items():
             if len(key) > 64 or len(item) > 512:
                 raise ValueError("metadata keys are at most 64 characters, values at most 512")
+            if not _encodable(key) or not _encodable(item):
+                raise ValueError("metadata must be valid Unicode (no lone surrogates)")
         return value
+
+
+def _encodable(text: str) -> bool:
+    """Whether `text` can be written as UTF-8 (JSON escapes can make lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class BatchError(BaseModel):

@@ -56,9 +56,14 @@ def test_rope_scaling_from_the_config_is_applied(tmp_path):
     from engine import SamplingParams
     from tests.conftest import hf_greedy
 
-    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64}
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     path = write_tiny_model(tmp_path / "m", "llama", rope_parameters=rope)
     prompt = list(range(3, 200))
     out = LLM(str(path), device="cpu").generate(

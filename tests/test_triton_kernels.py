@@ -223,11 +223,11 @@ def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
     assert get_attention_backend("auto", torch.device("cpu")).name == "torch"
 
 
-def test_kernel_benchmark_says_when_there_is_no_gpu():
+def test_kernel_benchmark_runs_or_says_there_is_no_gpu():
     import subprocess
     import sys
 
-    if torch.cuda.is_available():
-        pytest.fail("this machine has a GPU: run bench/kernels.py itself")
     done = subprocess.run([sys.executable, "bench/kernels.py"], capture_output=True, text=True)
-    assert done.returncode == 0 and "no CUDA GPU" in done.stdout
+    assert done.returncode == 0, done.stderr
+    expected = "goal:" if torch.cuda.is_available() else "no CUDA GPU"
+    assert expected in done.stdout
