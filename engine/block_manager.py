@@ -80,7 +80,7 @@ class BlockManager:
                 self._free.move_to_end(block_id, last=False)
 
     # ---- prefix cache -----------------------------------------------------------------------
-    def _keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+    def block_keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The chained keys of the first `num_blocks` full blocks of `seq` (memoised on it)."""
         keys, size = seq.block_keys, self.block_size
         while len(keys) < num_blocks:
@@ -94,7 +94,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits = []
-        for key in self._keys(seq, (seq.num_tokens - 1) // self.block_size):
+        for key in self.block_keys(seq, (seq.num_tokens - 1) // self.block_size):
             block_id = self.cached.get(key)
             if block_id is None:
                 break
@@ -108,7 +108,7 @@ class BlockManager:
         num_full = seq.num_computed_tokens // self.block_size
         if num_full <= seq.num_registered_blocks:
             return
-        keys = self._keys(seq, num_full)
+        keys = self.block_keys(seq, num_full)
         for i in range(seq.num_registered_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             if block.key is None and keys[i] not in self.cached:

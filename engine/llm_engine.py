@@ -42,6 +42,12 @@ class EngineStats:
     generation_tokens: int
     num_preemptions: int
     num_steps: int
+    kv_blocks_saved: int = 0  # prompt blocks shared from the prefix cache instead of computed
+    num_deferred: int = 0  # admissions put off to reuse a prefix being computed
+
+    @property
+    def prompt_tokens_total(self) -> int:
+        return self.prompt_tokens_computed + self.prompt_tokens_cached
 
 
 class LLMEngine:
@@ -61,6 +67,9 @@ class LLMEngine:
         enable_prefix_caching: bool = True,
         seed: int = 0,
         attention_backend: str = "auto",
+        admission_policy: str = "cache_aware",
+        max_waiting_time: float = 30.0,
+        lpm_max_waiting: int = 128,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -103,7 +112,20 @@ class LLMEngine:
         self.block_size = block_size
 
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        if admission_policy not in ("cache_aware", "fcfs"):
+            raise ValueError(
+                f"admission_policy must be 'cache_aware' or 'fcfs', got {admission_policy!r}"
+            )
+        if max_waiting_time < 0:
+            raise ValueError(f"max_waiting_time must be >= 0 seconds, got {max_waiting_time}")
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs,
+            max_num_batched_tokens,
+            cache_aware=admission_policy == "cache_aware",
+            lpm_max_waiting=lpm_max_waiting,
+            max_waiting_time=max_waiting_time,
+        )
         backend = get_attention_backend(attention_backend, self.device)
         self.runner = ModelRunner(net, backend, num_kv_blocks, block_size, self.device, self.dtype)
         generator = torch.Generator(device=self.device)
@@ -202,6 +224,8 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             num_preemptions=counters.num_preemptions,
             num_steps=self.num_steps,
+            kv_blocks_saved=counters.kv_blocks_saved,
+            num_deferred=counters.num_deferred,
         )
 
     # ---- one iteration ----------------------------------------------------------------------

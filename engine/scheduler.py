@@ -5,11 +5,19 @@ admission order; when the pool runs dry it preempts the most recently admitted o
 blocks to recompute it later. Then, if nothing was preempted, it admits waiting sequences while
 the token budget, the sequence limit and the pool allow. A long prompt is split over several
 steps (chunked prefill).
+
+Admission is cache-aware (SGLang's longest-prefix-match): waiting sequences with the longest
+prefix already in the cache go first, and a sequence whose next uncached block is being computed
+right now by another sequence waits for it instead of computing the same KV again. Sorting is
+skipped (arrival order) when more than `lpm_max_waiting` sequences wait, and a sequence that has
+waited `max_waiting_time` seconds goes before all others, so nothing starves.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
@@ -32,6 +40,8 @@ class SchedulerCounters:
     num_preemptions: int = 0
     prompt_tokens_computed: int = 0
     prompt_tokens_cached: int = 0
+    num_deferred: int = 0  # admissions put off to reuse a prefix another sequence computes
+    kv_blocks_saved: int = 0  # blocks shared from the prefix cache instead of computed
 
 
 class Scheduler:
@@ -40,16 +50,26 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        *,
+        cache_aware: bool = True,
+        lpm_max_waiting: int = 128,
+        max_waiting_time: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.cache_aware = cache_aware and block_manager.enable_prefix_caching
+        self.lpm_max_waiting = lpm_max_waiting
+        self.max_waiting_time = max_waiting_time
+        self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        seq.arrival_time = self.clock()
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
@@ -81,32 +101,89 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        while (
-            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
-        ):
-            seq = self.waiting[0]
-            hits = (
-                []
-                if seq.request.params.prompt_logprobs is not None
-                else (self.block_manager.match_prefix(seq))
-            )
-            num_cached = len(hits) * self.block_manager.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
-            if not self.block_manager.can_schedule(seq, num_new, hits):
+        if not preempted:
+            self._admit(scheduled, budget)
+        return scheduled
+
+    def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> None:
+        bm = self.block_manager
+        in_flight = self._blocks_in_flight() if self.cache_aware else set()
+        admitted: set[int] = set()
+        for seq in self._admission_order():
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            self.waiting.popleft()
-            self.block_manager.admit(seq, hits)
-            reserved = self.block_manager.reserve(seq, num_new)
+            hits = [] if seq.request.params.prompt_logprobs is not None else bm.match_prefix(seq)
+            if (
+                in_flight
+                and not self._overdue(seq)
+                and self._next_block_in_flight(seq, len(hits), in_flight)
+            ):
+                self.counters.num_deferred += 1
+                continue
+            num_cached = len(hits) * bm.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not bm.can_schedule(seq, num_new, hits):
+                break
+            bm.admit(seq, hits)
+            reserved = bm.reserve(seq, num_new)
             assert reserved, "can_schedule() promised room"
+            admitted.add(seq.seq_id)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if seq.request.num_cached_tokens is None:
                 seq.request.num_cached_tokens = num_cached
             self.counters.prompt_tokens_cached += min(num_cached, seq.num_prompt_tokens)
+            self.counters.kv_blocks_saved += len(hits)
             self._count_prompt_tokens(seq, num_new)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
-        return scheduled
+            if self.cache_aware:
+                in_flight.update(self._uncomputed_prompt_keys(seq))
+        if admitted:
+            self.waiting = deque(s for s in self.waiting if s.seq_id not in admitted)
+
+    def _overdue(self, seq: Sequence) -> bool:
+        return self.clock() - seq.arrival_time >= self.max_waiting_time
+
+    def _admission_order(self) -> list[Sequence]:
+        """Overdue sequences first (arrival order), then the longest cached prefix first."""
+        waiting = list(self.waiting)
+        if not self.cache_aware or len(waiting) > self.lpm_max_waiting:
+            return sorted(waiting, key=lambda s: not self._overdue(s))  # stable: arrival order
+        bm = self.block_manager
+
+        def key(seq: Sequence) -> tuple[int, float]:
+            if self._overdue(seq):
+                return (0, seq.arrival_time)  # overdue: strictly by arrival
+            if seq.request.params.prompt_logprobs is not None:
+                return (1, 0.0)
+            return (1, -len(bm.match_prefix(seq)))
+
+        return sorted(waiting, key=key)
+
+    def _uncomputed_prompt_keys(self, seq: Sequence) -> list[bytes]:
+        """Keys of the full prompt blocks of `seq` whose KV is not computed yet."""
+        bm = self.block_manager
+        full = seq.num_prompt_tokens // bm.block_size
+        first = seq.num_computed_tokens // bm.block_size
+        if first >= full:
+            return []
+        return bm.block_keys(seq, full)[first:]
+
+    def _blocks_in_flight(self) -> set[bytes]:
+        keys: set[bytes] = set()
+        for seq in self.running:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                keys.update(self._uncomputed_prompt_keys(seq))
+        return keys
+
+    def _next_block_in_flight(self, seq: Sequence, num_hits: int, in_flight: set[bytes]) -> bool:
+        """Whether the first block `seq` would compute is being computed by another sequence."""
+        if seq.request.params.prompt_logprobs is not None:
+            return False
+        if num_hits >= (seq.num_tokens - 1) // self.block_manager.block_size:
+            return False
+        return self.block_manager.block_keys(seq, num_hits + 1)[num_hits] in in_flight
 
     def _count_prompt_tokens(self, seq: Sequence, num_new: int) -> None:
         prompt_part = min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens)
@@ -115,6 +192,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
+        seq.arrival_time = float("-inf")  # overdue at once: first in line to come back
         self.waiting.appendleft(seq)
         self.counters.num_preemptions += 1
 

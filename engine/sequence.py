@@ -40,6 +40,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str = ""  # detokenized output, kept only when stop strings must be checked
+    arrival_time: float = 0.0  # when it (last) joined the waiting queue, scheduler clock
 
     @property
     def num_tokens(self) -> int:
