@@ -33,4 +33,6 @@ def get_session(state: Annotated[AppState, Depends(get_state)]) -> Iterator[Sess
 
 
 StateDep = Annotated[AppState, Depends(get_state)]
-SessionDep = Annotated[Session, Depends(get_session)]
+# scope="function": the transaction commits before the response is sent, so a client that
+# acts on a 200 (cancel, delete) never reads the state from before it
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]

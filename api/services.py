@@ -16,6 +16,7 @@ from ledger import transitions as tr
 from ledger.ids import new_batch_id
 from ledger.models import BatchRow, FileRow
 from worker.celery_app import queue_for, send_shards
+from worker.routing import route
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,13 @@ def create_batch(state: AppState, body: schemas.BatchCreate) -> str:
                 settings.shard_size,
                 queue_for(validation.model or ""),
             )
-            sends = tr.mark_enqueued(session, shards)
+            sends = route(
+                session,
+                tr.mark_enqueued(session, shards),
+                settings.broker_url,
+                settings.heartbeat_timeout,
+                settings.affinity_backlog,
+            )
             if not shards:  # every line was rejected on its own: nothing to run
                 session.flush()
                 tr.maybe_finalize(session, batch_id, settings.heartbeat_timeout)

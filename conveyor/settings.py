@@ -43,6 +43,7 @@ class Settings:
     heartbeat_interval: float = 2.0  # a running shard touches its row this often
     heartbeat_timeout: float = 30.0  # a running shard whose row is older than this is dead
     reconcile_interval: float = 10.0
+    affinity_backlog: int = 16  # shards queued for one worker before the overflow queue is used
     max_upload_bytes: int = 200 * 1024 * 1024
     max_line_bytes: int = 8 * 1024 * 1024
     max_batch_lines: int = 50_000
@@ -58,6 +59,7 @@ class Settings:
             heartbeat_interval=_env_float("CONVEYOR_HEARTBEAT_INTERVAL", 2.0),
             heartbeat_timeout=_env_float("CONVEYOR_HEARTBEAT_TIMEOUT", 30.0),
             reconcile_interval=_env_float("CONVEYOR_RECONCILE_INTERVAL", 10.0),
+            affinity_backlog=_env_int("CONVEYOR_AFFINITY_BACKLOG", 16),
             max_upload_bytes=_env_int("CONVEYOR_MAX_UPLOAD_BYTES", 200 * 1024 * 1024),
             max_line_bytes=_env_int("CONVEYOR_MAX_LINE_BYTES", 8 * 1024 * 1024),
             max_batch_lines=_env_int("CONVEYOR_MAX_BATCH_LINES", 50_000),

@@ -30,6 +30,16 @@ COMPLETION_WINDOWS = {"24h": 24 * 3600}
 
 
 @dataclass
+class Send:
+    """A shard task to send once the transaction that enqueued it commits."""
+
+    shard_id: int
+    task_id: str
+    queue: str
+    prefix_key: str
+
+
+@dataclass
 class Counts:
     completed: int = 0
     failed: int = 0
@@ -283,15 +293,15 @@ def shard_finish(session: Session, shard_id: int) -> None:
     shard.heartbeat_at = None
 
 
-def mark_enqueued(session: Session, shards: Iterable[ShardRow]) -> list[tuple[int, str, str]]:
-    """Give shards fresh task ids; returns (shard id, task id, queue) to send after commit."""
+def mark_enqueued(session: Session, shards: Iterable[ShardRow]) -> list[Send]:
+    """Give shards fresh task ids; returns what to send once this transaction commits."""
     now = time.time()
     out = []
     for shard in shards:
         shard.enqueue_count += 1
         shard.enqueued_at = now
         shard.status = "queued"
-        out.append((shard.id, shard.task_id, shard.queue))
+        out.append(Send(shard.id, shard.task_id, shard.queue, shard.prefix_key))
     return out
 
 

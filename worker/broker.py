@@ -7,7 +7,7 @@ import json
 
 import redis
 
-from worker.celery_app import QUEUE_PREFIX
+from worker.celery_app import QUEUE_PREFIX, queue_owner
 
 # kombu's Redis transport keeps delivered, unacknowledged messages in this hash
 UNACKED_KEY = "unacked"
@@ -24,8 +24,12 @@ def _task_id(payload: bytes | str) -> str | None:
     return headers.get("id") if isinstance(headers, dict) else None
 
 
-def live_task_ids(broker_url: str) -> set[str] | None:
-    """Task ids held by a Redis broker; None for a broker we cannot look into."""
+def live_task_ids(broker_url: str, live_workers: set[str] | None = None) -> set[str] | None:
+    """Task ids held by a Redis broker; None for a broker we cannot look into.
+
+    The own queue of a worker not in `live_workers` is dropped: nobody will read it, and its
+    shards are not counted as carried, so the reconciler re-sends them.
+    """
     if not broker_url.startswith(("redis://", "rediss://", "unix://")):
         return None
     client = redis.Redis.from_url(broker_url)
@@ -33,6 +37,10 @@ def live_task_ids(broker_url: str) -> set[str] | None:
         ids: set[str] = set()
         for key in client.scan_iter(match=QUEUE_PREFIX + "*", count=1000):
             if client.type(key) != b"list":
+                continue
+            owner = queue_owner(key.decode(errors="replace"))
+            if owner is not None and live_workers is not None and owner not in live_workers:
+                client.delete(key)
                 continue
             for payload in client.lrange(key, 0, -1):
                 if (tid := _task_id(payload)) is not None:

@@ -13,9 +13,11 @@ import re
 from celery import Celery
 
 from conveyor.settings import Settings
+from ledger.transitions import Send
 
 RUN_SHARD = "conveyor.run_shard"
 QUEUE_PREFIX = "conveyor.model."
+AFFINITY_SEP = ".w."  # a worker's own queue for a model: <model queue>.w.<worker name>
 
 
 def queue_for(model: str) -> str:
@@ -24,6 +26,17 @@ def queue_for(model: str) -> str:
     if len(safe) > 80:
         safe = safe[:60] + "-" + hashlib.blake2b(model.encode(), digest_size=6).hexdigest()
     return QUEUE_PREFIX + safe
+
+
+def worker_queue(model_queue: str, worker: str) -> str:
+    """The queue only `worker` consumes, for the shards routed to it by prefix affinity."""
+    return f"{model_queue}{AFFINITY_SEP}{worker}"
+
+
+def queue_owner(queue: str) -> str | None:
+    """The worker a per-worker queue belongs to; None for a shared model queue."""
+    _, sep, worker = queue.partition(AFFINITY_SEP)
+    return worker if sep else None
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -50,10 +63,14 @@ def make_celery(settings: Settings) -> Celery:
     return app
 
 
-def send_shards(app: Celery, sends: list[tuple[int, str, str]]) -> None:
-    """Send (shard id, task id, queue) triples; a failed send is left to the reconciler."""
+def send_shards(app: Celery, sends: list[Send]) -> None:
+    """Send shard tasks; one that fails to go out is left to the reconciler."""
     with app.producer_or_acquire() as producer:
-        for shard_id, task_id, queue in sends:
+        for send in sends:
             app.send_task(
-                RUN_SHARD, args=[shard_id], task_id=task_id, queue=queue, producer=producer
+                RUN_SHARD,
+                args=[send.shard_id],
+                task_id=send.task_id,
+                queue=send.queue,
+                producer=producer,
             )

@@ -22,6 +22,7 @@ from ledger import transitions as tr
 from ledger.db import Ledger
 from worker.broker import live_task_ids
 from worker.celery_app import send_shards
+from worker.routing import Router, live_workers
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +48,16 @@ def _reconcile(ledger: Ledger, app: Celery, settings: Settings) -> ReconcileRepo
         with ledger.session() as session:
             if tr.maybe_finalize(session, batch_id, settings.heartbeat_timeout):
                 report.finalized += 1
-    live = live_task_ids(settings.broker_url)
+    with ledger.session() as session:
+        workers = live_workers(session, settings.heartbeat_timeout)
+    live = live_task_ids(settings.broker_url, {w for names in workers.values() for w in names})
     grace = max(5.0, settings.heartbeat_timeout)
     sends = []
     with ledger.session() as session:
         for batch_id in tr.batches_with_status(session, "in_progress"):
             lost = tr.shards_to_enqueue(session, batch_id, live, grace, settings.heartbeat_timeout)
             sends += tr.mark_enqueued(session, lost)
+        sends = Router(workers, settings.broker_url, settings.affinity_backlog).route(sends)
     if sends:
         log.info("re-sending %d shard(s) that no broker message carries", len(sends))
         send_shards(app, sends)

@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 import time
+from collections import Counter
 from functools import partial
 from typing import Any
 
@@ -24,7 +25,7 @@ from conveyor.settings import Settings
 from ledger import transitions as tr
 from ledger.db import Ledger
 from ledger.models import RequestRow, WorkerRow
-from worker.celery_app import make_celery, queue_for
+from worker.celery_app import make_celery, queue_for, worker_queue
 from worker.engine_service import EngineJob, EngineService
 from worker.reconciler import ReconcilerLoop, reconcile
 from worker.writer import ResultWriter, WriteItem
@@ -69,9 +70,12 @@ class WorkerRuntime:
         self.settings = settings
         self.engine = engine
         self.model_names = list(dict.fromkeys(model_names))
-        self.queues = list(dict.fromkeys(queue_for(m) for m in self.model_names))
         self.sampling_params_cls = sampling_params_cls
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        shared = list(dict.fromkeys(queue_for(m) for m in self.model_names))
+        # the model's shared queue, and this worker's own for shards routed to it by prefix
+        self.queues = shared + [worker_queue(q, self.name) for q in shared]
+        self.shard_prefixes: Counter[str] = Counter()  # prefix key -> shards run here
         self.ledger = Ledger(settings.db_url)
         self.app = make_celery(settings)
         self.service = EngineService(engine)
@@ -133,6 +137,7 @@ class WorkerRuntime:
     def stats(self) -> dict[str, Any]:
         data = self.service.snapshot()
         data["results_committed"] = self.writer.committed
+        data["shard_prefixes"] = dict(self.shard_prefixes)
         data["writer_lag_seconds"] = round(self.writer.lag, 3)
         return data
 
@@ -144,6 +149,7 @@ class WorkerRuntime:
                 return "skipped"
             shard, batch = claimed
             batch_id, index, model = batch.id, shard.index, batch.model or ""
+            self.shard_prefixes[shard.prefix_key] += 1
             requests = [
                 (r.id, r.line, r.raw) for r in tr.unfinished_requests(session, batch_id, index)
             ]
