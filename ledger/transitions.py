@@ -318,8 +318,10 @@ def shards_to_enqueue(
 ) -> list[ShardRow]:
     """Shards of an in-progress batch that no broker message and no live worker carries.
 
-    `live_task_ids` is every task id the broker holds (waiting or delivered); None when the
-    broker cannot be inspected, in which case only shards whose worker died are taken.
+    A running shard is carried while its heartbeat is fresh. A queued one is carried while its
+    message is in the broker (`live_task_ids`: waiting, or delivered moments ago) or was sent
+    less than `grace` seconds ago; with `live_task_ids` None (a broker we cannot look into)
+    a queued shard counts as carried.
     """
     now = time.time()
     shards = session.execute(
@@ -332,7 +334,7 @@ def shards_to_enqueue(
         elif shard.enqueued_at is None:  # committed but never sent
             alive = False
         else:
-            recent = shard.enqueued_at is not None and shard.enqueued_at >= now - grace
+            recent = shard.enqueued_at >= now - grace
             alive = recent or live_task_ids is None or shard.task_id in live_task_ids
         if not alive:
             lost.append(shard)

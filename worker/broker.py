@@ -4,13 +4,16 @@ to a worker and not yet acknowledged. The reconciler re-sends shards that are in
 from __future__ import annotations
 
 import json
+import time
 
 import redis
 
 from worker.celery_app import QUEUE_PREFIX, queue_owner
 
-# kombu's Redis transport keeps delivered, unacknowledged messages in this hash
+# kombu's Redis transport keeps delivered, unacknowledged messages in this hash, and the time
+# of each delivery in this sorted set (both keyed by delivery tag)
 UNACKED_KEY = "unacked"
+UNACKED_INDEX_KEY = "unacked_index"
 
 
 def _task_id(payload: bytes | str) -> str | None:
@@ -24,11 +27,16 @@ def _task_id(payload: bytes | str) -> str | None:
     return headers.get("id") if isinstance(headers, dict) else None
 
 
-def live_task_ids(broker_url: str, live_workers: set[str] | None = None) -> set[str] | None:
+def live_task_ids(
+    broker_url: str, live_workers: set[str] | None = None, delivered_within: float | None = None
+) -> set[str] | None:
     """Task ids held by a Redis broker; None for a broker we cannot look into.
 
     The own queue of a worker not in `live_workers` is dropped: nobody will read it, and its
-    shards are not counted as carried, so the reconciler re-sends them.
+    shards are not counted as carried, so the reconciler re-sends them. A delivered message
+    counts only if it was delivered within `delivered_within` seconds: a worker starts what it
+    takes at once (prefetch is off), so an older one whose shard never started was taken by a
+    worker that died.
     """
     if not broker_url.startswith(("redis://", "rediss://", "unix://")):
         return None
@@ -45,7 +53,11 @@ def live_task_ids(broker_url: str, live_workers: set[str] | None = None) -> set[
             for payload in client.lrange(key, 0, -1):
                 if (tid := _task_id(payload)) is not None:
                     ids.add(tid)
-        for payload in client.hvals(UNACKED_KEY):
+        cutoff = None if delivered_within is None else time.time() - delivered_within
+        delivered_at = dict(client.zrange(UNACKED_INDEX_KEY, 0, -1, withscores=True))
+        for tag, payload in client.hgetall(UNACKED_KEY).items():
+            if cutoff is not None and delivered_at.get(tag, 0.0) < cutoff:
+                continue
             if (tid := _task_id(payload)) is not None:
                 ids.add(tid)
         return ids

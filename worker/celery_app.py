@@ -50,6 +50,9 @@ def make_celery(settings: Settings) -> Celery:
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
+        # take a message only when a thread is free to start it: a delivered shard is a
+        # running shard, which is what lets the reconciler tell a dead worker's messages apart
+        worker_disable_prefetch=True,
         worker_cancel_long_running_tasks_on_connection_loss=True,
         broker_connection_retry_on_startup=True,
         broker_transport_options=dict(visibility),

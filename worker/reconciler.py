@@ -50,8 +50,9 @@ def _reconcile(ledger: Ledger, app: Celery, settings: Settings) -> ReconcileRepo
                 report.finalized += 1
     with ledger.session() as session:
         workers = live_workers(session, settings.heartbeat_timeout)
-    live = live_task_ids(settings.broker_url, {w for names in workers.values() for w in names})
     grace = max(5.0, settings.heartbeat_timeout)
+    names = {w for names in workers.values() for w in names}
+    live = live_task_ids(settings.broker_url, names, delivered_within=grace)
     sends = []
     with ledger.session() as session:
         for batch_id in tr.batches_with_status(session, "in_progress"):
