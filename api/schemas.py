@@ -148,6 +148,9 @@ class Batch(BaseModel):
     eta_seconds: float | None = Field(
         default=None, description="estimated seconds until every request has a result"
     )
+    cached_tokens: int = Field(
+        default=0, description="prompt tokens served from the prefix cache instead of computed"
+    )
 
 
 class BatchList(BaseModel):

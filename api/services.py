@@ -152,4 +152,5 @@ def batch_object(session: Session, batch: BatchRow) -> schemas.Batch:
         model=batch.model,
         progress=round(progress, 4),
         eta_seconds=eta,
+        cached_tokens=counts.cached_tokens,
     )

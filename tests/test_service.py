@@ -108,6 +108,7 @@ def test_round_trip_matches_run_batch(stack: Stack, chat_model: Path, tmp_path: 
         usage_in += body["usage"]["prompt_tokens"]
     assert done["usage"]["input_tokens"] == usage_in
     assert done["usage"]["input_tokens_details"]["cached_tokens"] > 0  # shared system prompts
+    assert done["cached_tokens"] == done["usage"]["input_tokens_details"]["cached_tokens"]
 
     # the results stream pages with ?after=
     first = httpx.get(f"{api}/v1/batches/{batch['id']}/results", params={"limit": 10}).text
