@@ -157,6 +157,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, help="engine random seed (default 0)")
     g.add_argument(
+        "--admission-policy",
+        choices=("cache_aware", "fcfs"),
+        help="which waiting requests to admit first: cache_aware (longest cached prefix first, "
+        "one computation per shared prefix; the default) or fcfs (arrival order)",
+    )
+    g.add_argument(
+        "--max-waiting-time",
+        type=float,
+        metavar="SECONDS",
+        help="a request waiting this long is admitted before all others (default 30)",
+    )
+    g.add_argument(
         "--attention-backend",
         help="attention implementation: auto or a backend name the engine knows (default auto)",
     )
@@ -176,6 +188,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "device": "device",
         "seed": "seed",
         "attention_backend": "attention_backend",
+        "admission_policy": "admission_policy",
+        "max_waiting_time": "max_waiting_time",
     }
     kwargs: dict[str, object] = {}
     for attr, name in names.items():
