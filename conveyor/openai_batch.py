@@ -20,8 +20,8 @@ Body fields that this module does not know (`presence_penalty`, `logit_bias`, `u
 from __future__ import annotations
 
 import json
+import random
 import time
-import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
@@ -536,8 +536,11 @@ class TokenDecoder:
 # --------------------------------------------------------------------------------------------
 
 
+_ids = random.Random()  # seeded from os.urandom once; ids need to be unique, not secret
+
+
 def _hex() -> str:
-    return uuid.uuid4().hex
+    return f"{_ids.getrandbits(128):032x}"
 
 
 def _sorted_alternatives(entry: Mapping[int, float]) -> list[tuple[int, float]]:

@@ -10,7 +10,7 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, pre_ping: bool = True) -> Engine:
     if url.startswith("sqlite"):
         path = url.split(":///", 1)[1] if ":///" in url else ""
         if path and path != ":memory:":
@@ -26,15 +26,15 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    return create_engine(url, pool_pre_ping=pre_ping, pool_size=10, max_overflow=20)
 
 
 class Ledger:
     """Owns the engine and hands out sessions; one per process."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, pre_ping: bool = True) -> None:
         self.url = url
-        self.engine = make_engine(url)
+        self.engine = make_engine(url, pre_ping)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     @property

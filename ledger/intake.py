@@ -244,8 +244,8 @@ def store_requests(
     bad = [r for r in validation.records if r.error is not None]
     now = time.time()
 
-    rows: list[dict[str, Any]] = []
     shards: list[dict[str, Any]] = []
+    shard_of: dict[int, int] = {}  # line number -> shard index
     for i, rec in enumerate(good):
         index = i // shard_size
         if i % shard_size == 0:
@@ -262,20 +262,20 @@ def store_requests(
                 )
             )
         shards[-1]["size"] += 1
-        rows.append(_request_row(batch.id, f, rec, index))
-        if len(rows) >= INSERT_CHUNK:
-            session.execute(insert(RequestRow), rows)
-            rows = []
-    if rows:
-        session.execute(insert(RequestRow), rows)
-
+        shard_of[rec.line] = index
+    # rows go in file order (one sequential read); the shard index carries the prefix order
+    rows = (
+        _request_row(batch.id, rec, raw, shard_of[rec.line])
+        for rec, raw in _read_records(f, [r for r in validation.records if r.error is None])
+    )
+    _insert_requests(session, rows)
     if bad:
         ids = {}
         for start in range(0, len(bad), INSERT_CHUNK):
             part = bad[start : start + INSERT_CHUNK]
             returned = session.execute(
                 insert(RequestRow).returning(RequestRow.id, RequestRow.line),
-                [_request_row(batch.id, f, rec, None) for rec in part],
+                [_request_row(batch.id, rec, raw, None) for rec, raw in _read_records(f, part)],
             )
             ids.update({line: rid for rid, line in returned})
         results = []
@@ -307,9 +307,14 @@ def _order(rec: LineRecord) -> tuple[str, int]:
     return rec.prefix_key, rec.line
 
 
-def _request_row(batch_id: str, f: IO[bytes], rec: LineRecord, shard: int | None) -> dict:
-    f.seek(rec.offset)
-    raw = f.read(rec.length).decode("utf-8").strip()
+def _read_records(f: IO[bytes], records: list[LineRecord]) -> Iterator[tuple[LineRecord, str]]:
+    """Each record (in file order) with its line's text."""
+    for rec in sorted(records, key=lambda r: r.offset):
+        f.seek(rec.offset)
+        yield rec, f.read(rec.length).decode("utf-8").strip()
+
+
+def _request_row(batch_id: str, rec: LineRecord, raw: str, shard: int | None) -> dict:
     return dict(
         batch_id=batch_id,
         shard_index=shard,
@@ -318,6 +323,27 @@ def _request_row(batch_id: str, f: IO[bytes], rec: LineRecord, shard: int | None
         raw=raw,
         attempts=0,
     )
+
+
+COPY_COLUMNS = ("batch_id", "shard_index", "line", "custom_id", "raw", "attempts")
+
+
+def _insert_requests(session: Session, rows: Iterator[dict[str, Any]]) -> None:
+    """Bulk insert: COPY on PostgreSQL (about 3x executemany), chunked executemany elsewhere."""
+    if session.get_bind().dialect.name == "postgresql":
+        cursor = session.connection().connection.driver_connection.cursor()
+        with cursor, cursor.copy(f"COPY requests ({', '.join(COPY_COLUMNS)}) FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row([row[c] for c in COPY_COLUMNS])
+        return
+    chunk: list[dict[str, Any]] = []
+    for row in rows:
+        chunk.append(row)
+        if len(chunk) >= INSERT_CHUNK:
+            session.execute(insert(RequestRow), chunk)
+            chunk = []
+    if chunk:
+        session.execute(insert(RequestRow), chunk)
 
 
 def read_validation(path: Path, endpoint: str, max_line_bytes: int, max_lines: int) -> Validation:

@@ -72,8 +72,14 @@ def counts(session: Session, batch_id: str) -> Counts:
     return Counts(*(int(x) for x in row))
 
 
-def record_results(session: Session, rows: list[dict[str, Any]]) -> None:
-    """Insert result rows; a request that already has a result keeps its first one."""
+def record_results(
+    session: Session, rows: list[dict[str, Any]], started: set[str] | None = None
+) -> None:
+    """Insert result rows; a request that already has a result keeps its first one.
+
+    `started` holds batch ids known to have their first result already (their
+    `first_result_at` is not touched again).
+    """
     if not rows:
         return
     if session.get_bind().dialect.name == "postgresql":
@@ -83,7 +89,8 @@ def record_results(session: Session, rows: list[dict[str, Any]]) -> None:
     stmt = dialect_insert(ResultRow).on_conflict_do_nothing(index_elements=["request_id"])
     session.execute(stmt, rows)
     first = min(r["created_at"] for r in rows)
-    for batch_id in sorted({r["batch_id"] for r in rows}):  # one lock order: no deadlocks
+    fresh = {r["batch_id"] for r in rows} - (started or set())
+    for batch_id in sorted(fresh):  # one lock order: no deadlocks
         session.execute(
             update(BatchRow)
             .where(BatchRow.id == batch_id, BatchRow.first_result_at.is_(None))
@@ -259,6 +266,40 @@ def shard_start(session: Session, shard_id: int, worker: str) -> tuple[ShardRow,
     return shard, batch
 
 
+@dataclass
+class ClaimedShard:
+    shard_id: int
+    batch_id: str
+    index: int
+    model: str
+    prefix_key: str
+    requests: list[tuple[int, int, str]]  # (request id, line number, raw line) without results
+
+
+def claim_shard(session: Session, shard_id: int, worker: str) -> ClaimedShard | None:
+    """Start a shard: mark it running and take its requests that have no result yet (counting
+    the attempt on each). None if its batch no longer wants it run."""
+    claimed = shard_start(session, shard_id, worker)
+    if claimed is None:
+        return None
+    shard, batch = claimed
+    has_result = select(ResultRow.seq).where(ResultRow.request_id == RequestRow.id).exists()
+    rows = session.execute(
+        update(RequestRow)
+        .where(
+            RequestRow.batch_id == batch.id,
+            RequestRow.shard_index == shard.index,
+            ~has_result,
+        )
+        .values(attempts=RequestRow.attempts + 1, worker=worker, started_at=time.time())
+        .returning(RequestRow.id, RequestRow.line, RequestRow.raw)
+    ).all()
+    requests = sorted((int(i), int(line), raw) for i, line, raw in rows)
+    return ClaimedShard(
+        shard.id, batch.id, shard.index, batch.model or "", shard.prefix_key, requests
+    )
+
+
 def shard_heartbeat(session: Session, shard_id: int) -> str | None:
     """Touch a running shard; returns its batch's status so the worker can stop early."""
     session.execute(
@@ -276,7 +317,7 @@ def shard_finish(session: Session, shard_id: int) -> None:
     shard = session.get(ShardRow, shard_id)
     if shard is None:
         return
-    batch = session.get(BatchRow, shard.batch_id)
+    batch = lock_batch(session, shard.batch_id)  # batch before shard, as cancel() locks them
     if batch is None or batch.status != "in_progress":
         shard.status, shard.heartbeat_at = "done", None
         return

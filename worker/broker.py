@@ -32,8 +32,9 @@ def live_task_ids(
 ) -> set[str] | None:
     """Task ids held by a Redis broker; None for a broker we cannot look into.
 
-    The own queue of a worker not in `live_workers` is dropped: nobody will read it, and its
-    shards are not counted as carried, so the reconciler re-sends them. A delivered message
+    What waits in the own queue of a worker not in `live_workers` does not count: nobody will
+    read it, so the reconciler re-sends those shards (the queue itself is left alone: a broker
+    database shared by mistake must not lose another deployment's work). A delivered message
     counts only if it was delivered within `delivered_within` seconds: a worker starts what it
     takes at once (prefetch is off), so an older one whose shard never started was taken by a
     worker that died.
@@ -48,7 +49,6 @@ def live_task_ids(
                 continue
             owner = queue_owner(key.decode(errors="replace"))
             if owner is not None and live_workers is not None and owner not in live_workers:
-                client.delete(key)
                 continue
             for payload in client.lrange(key, 0, -1):
                 if (tid := _task_id(payload)) is not None:

@@ -115,7 +115,7 @@ class EngineService(threading.Thread):
     def _record_mix(self, finished: list[Any]) -> None:
         """Count the pairs of batches whose requests were in the step that just ran."""
         running = getattr(self.engine, "running_request_ids", None)
-        ids = set(running()) if running else set(self.jobs)
+        ids = set(running()) if running else set()
         ids.update(output.request_id for output in finished)
         batches = sorted({EngineJob.batch_of(i) for i in ids})
         for i, a in enumerate(batches[:8]):

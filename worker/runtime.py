@@ -17,14 +17,14 @@ from collections import Counter
 from functools import partial
 from typing import Any
 
-from sqlalchemy import delete, update
+from sqlalchemy import delete
 
 from conveyor import openai_batch as ob
 from conveyor.batch_runner import prepare_request
 from conveyor.settings import Settings
 from ledger import transitions as tr
 from ledger.db import Ledger
-from ledger.models import RequestRow, WorkerRow
+from ledger.models import WorkerRow
 from worker.celery_app import make_celery, queue_for, worker_queue
 from worker.engine_service import EngineJob, EngineService
 from worker.reconciler import ReconcilerLoop, reconcile
@@ -76,7 +76,8 @@ class WorkerRuntime:
         # the model's shared queue, and this worker's own for shards routed to it by prefix
         self.queues = shared + [worker_queue(q, self.name) for q in shared]
         self.shard_prefixes: Counter[str] = Counter()  # prefix key -> shards run here
-        self.ledger = Ledger(settings.db_url)
+        # no ping per checkout: every ledger call here retries or is re-run by the reconciler
+        self.ledger = Ledger(settings.db_url, pre_ping=False)
         self.app = make_celery(settings)
         self.service = EngineService(engine)
         self.writer = ResultWriter(self.ledger)
@@ -144,23 +145,11 @@ class WorkerRuntime:
     # ---- one shard -------------------------------------------------------------------------
     def run_shard(self, shard_id: int) -> str:
         with self.ledger.session() as session:
-            claimed = tr.shard_start(session, shard_id, self.name)
-            if claimed is None:
-                return "skipped"
-            shard, batch = claimed
-            batch_id, index, model = batch.id, shard.index, batch.model or ""
-            self.shard_prefixes[shard.prefix_key] += 1
-            requests = [
-                (r.id, r.line, r.raw) for r in tr.unfinished_requests(session, batch_id, index)
-            ]
-            if requests:
-                session.execute(
-                    update(RequestRow)
-                    .where(RequestRow.id.in_([r[0] for r in requests]))
-                    .values(
-                        attempts=RequestRow.attempts + 1, worker=self.name, started_at=time.time()
-                    )
-                )
+            claim = tr.claim_shard(session, shard_id, self.name)
+        if claim is None:
+            return "skipped"
+        batch_id, model, requests = claim.batch_id, claim.model, claim.requests
+        self.shard_prefixes[claim.prefix_key] += 1
         countdown = Countdown(len(requests))
         engine_ids = []
         for request_id, line, raw in requests:
@@ -201,7 +190,7 @@ class WorkerRuntime:
             try:
                 with self.ledger.session() as session:
                     tr.shard_finish(session, shard_id)
-                with self.ledger.session() as session:
+                    session.flush()
                     tr.maybe_finalize(session, batch_id, self.settings.heartbeat_timeout)
                 return
             except Exception:

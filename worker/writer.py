@@ -29,13 +29,14 @@ class WriteItem:
 
 
 class ResultWriter(threading.Thread):
-    def __init__(self, ledger: Ledger, max_rows: int = 1000, max_delay: float = 0.05) -> None:
+    def __init__(self, ledger: Ledger, max_rows: int = 1000, max_delay: float = 0.01) -> None:
         super().__init__(name="conveyor-result-writer", daemon=True)
         self.ledger = ledger
         self.max_rows, self.max_delay = max_rows, max_delay
         self.items: queue.SimpleQueue[WriteItem] = queue.SimpleQueue()
         self.stopped = threading.Event()
         self.committed = 0
+        self.started_batches: set[str] = set()  # batches whose first result is recorded
         self.lag = 0.0  # seconds the last committed batch of rows waited
 
     def put(self, item: WriteItem) -> None:
@@ -72,7 +73,7 @@ class ResultWriter(threading.Thread):
         while True:
             try:
                 with self.ledger.session() as session:
-                    tr.record_results(session, [item.row for item in batch])
+                    tr.record_results(session, [item.row for item in batch], self.started_batches)
                 break
             except Exception as err:
                 log.warning(
@@ -83,6 +84,7 @@ class ResultWriter(threading.Thread):
                 )
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
+        self.started_batches.update(item.row["batch_id"] for item in batch)
         self.committed += len(batch)
         self.lag = time.time() - min(item.row["created_at"] for item in batch)
         for item in batch:
