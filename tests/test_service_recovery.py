@@ -138,12 +138,12 @@ def test_worker_sigkill_mid_batch(stack: Stack, chat_model: Path, tmp_path: Path
             ).all()
         )
         retried = conn.execute(
-            sa.text("SELECT count(*) FROM requests WHERE batch_id = :b AND attempts > 1"),
+            sa.text("SELECT count(*) FROM shards WHERE batch_id = :b AND attempts > 1"),
             {"b": batch["id"]},
         ).scalar_one()
     engine.dispose()
     assert set(workers) == {"w1", "w2"} and workers["w1"] == partial
-    assert retried > 0  # requests in flight on w1 ran again on w2
+    assert retried > 0  # shards w1 was running when it died ran again on w2
 
 
 def test_redis_flushall_mid_batch(stack: Stack, chat_model: Path, tmp_path: Path):
