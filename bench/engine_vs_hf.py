@@ -483,6 +483,35 @@ def table(rows: list[tuple], header: tuple) -> None:
             print("  ".join("-" * w for w in widths))
 
 
+def print_setup(threads: int, extra: str = "") -> None:
+    """The lines every benchmark starts with: machine load, allocator, versions, threads."""
+    if hasattr(os, "getloadavg"):
+        print(f"load average at start: {os.getloadavg()[0]:.2f} (1 min)")
+    print(f"allocator: {allocator()}")
+    print(
+        f"python {platform.python_version()}  torch {torch.__version__}  "
+        f"cpu {platform.processor() or platform.machine()}  cores {os.cpu_count()}  "
+        f"torch threads {threads}{extra}"
+    )
+
+
+def prepare_model(
+    args: argparse.Namespace, overrides: dict
+) -> tuple[tempfile.TemporaryDirectory | None, Path]:
+    """The checkpoint directory (a temp dir unless --model-dir), written if not there yet."""
+    tmp = None
+    if args.model_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="conveyor-bench-")
+        model_dir = Path(tmp.name) / "llama"
+    else:
+        model_dir = args.model_dir
+    if not (model_dir / "config.json").exists():
+        t = time.perf_counter()
+        write_model(model_dir, args.seed, overrides)
+        print(f"wrote random-weight llama to {model_dir} in {time.perf_counter() - t:.1f}s")
+    return tmp, model_dir
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
@@ -491,26 +520,8 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
 
     rule("setup")
-    if hasattr(os, "getloadavg"):
-        print(f"load average at start: {os.getloadavg()[0]:.2f} (1 min)")
-    print(f"allocator: {allocator()}")
-    print(
-        f"python {platform.python_version()}  torch {torch.__version__}  "
-        f"cpu {platform.processor() or platform.machine()}  cores {os.cpu_count()}  "
-        f"torch threads {threads}  interop {torch.get_num_interop_threads()}"
-    )
-
-    tmp = None
-    if args.model_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="conveyor-bench-")
-        model_dir = Path(tmp.name) / "llama"
-    else:
-        model_dir = args.model_dir
-    overrides = model_overrides(args)
-    if not (model_dir / "config.json").exists():
-        t = time.perf_counter()
-        write_model(model_dir, args.seed, overrides)
-        print(f"wrote random-weight llama to {model_dir} in {time.perf_counter() - t:.1f}s")
+    print_setup(threads, f"  interop {torch.get_num_interop_threads()}")
+    tmp, model_dir = prepare_model(args, model_overrides(args))
 
     hf_model = None if args.skip_hf else load_hf(model_dir)
     from transformers import AutoConfig

@@ -36,11 +36,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import platform
 import random
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,9 +53,10 @@ from engine_vs_hf import (  # noqa: E402
     allocator,
     hf_generate_batch,
     load_hf,
+    prepare_model,
+    print_setup,
     rule,
     table,
-    write_model,
 )
 
 from engine import LLM, SamplingParams  # noqa: E402
@@ -571,25 +569,8 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
 
     rule("setup")
-    if hasattr(os, "getloadavg"):
-        print(f"load average at start: {os.getloadavg()[0]:.2f} (1 min)")
-    print(f"allocator: {allocator()}")
-    print(
-        f"python {platform.python_version()}  torch {torch.__version__}  "
-        f"cpu {platform.processor() or platform.machine()}  cores {os.cpu_count()}  "
-        f"torch threads {threads}"
-    )
-
-    tmp = None
-    if args.model_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="conveyor-bench-")
-        model_dir = Path(tmp.name) / "llama"
-    else:
-        model_dir = args.model_dir
-    if not (model_dir / "config.json").exists():
-        t = time.perf_counter()
-        write_model(model_dir, args.seed, model_overrides(args))
-        print(f"wrote random-weight llama to {model_dir} in {time.perf_counter() - t:.1f}s")
+    print_setup(threads)
+    tmp, model_dir = prepare_model(args, model_overrides(args))
 
     from transformers import AutoConfig
 

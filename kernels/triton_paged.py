@@ -96,6 +96,23 @@ def store_kv(
     )  # fmt: skip
 
 
+@triton.jit
+def _load_kv_tile(
+    k_cache_ptr, v_cache_ptr, table, n, valid, kvh, d, d_mask,
+    stride_cb, stride_ch, stride_co,
+    BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """K and V of context tokens `n` of one KV head, read in place through the block table."""
+    page = tl.load(table + n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    rows = page * stride_cb + kvh * stride_ch + (n % BLOCK_SIZE) * stride_co
+    kv_mask = valid[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if DOT_FP32:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    return k, v
+
+
 # ---------------------------------------------------------------------------------------------
 # decode
 
@@ -138,13 +155,10 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         valid = n < end
-        page = tl.load(table + n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        rows = page * stride_cb + kvh * stride_ch + (n % BLOCK_SIZE) * stride_co
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k, v = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, table, n, valid, kvh, d, d_mask,
+            stride_cb, stride_ch, stride_co, BLOCK_SIZE, DOT_FP32,
+        )  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -298,13 +312,10 @@ def _prefill_kernel(
     for n0 in range(0, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         valid = n < hi
-        page = tl.load(table + n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        rows = page * stride_cb + kvh * stride_ch + (n % BLOCK_SIZE) * stride_co
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k, v = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, table, n, valid, kvh, d, d_mask,
+            stride_cb, stride_ch, stride_co, BLOCK_SIZE, DOT_FP32,
+        )  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(valid[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
