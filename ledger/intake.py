@@ -19,7 +19,6 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO, Any
 
 from sqlalchemy import insert
@@ -344,8 +343,3 @@ def _insert_requests(session: Session, rows: Iterator[dict[str, Any]]) -> None:
             chunk = []
     if chunk:
         session.execute(insert(RequestRow), chunk)
-
-
-def read_validation(path: Path, endpoint: str, max_line_bytes: int, max_lines: int) -> Validation:
-    with open(path, "rb") as f:
-        return validate(f, endpoint, max_line_bytes, max_lines)

@@ -26,7 +26,6 @@ from ledger.models import BatchRow, FileRow, RequestRow, ResultRow, ShardRow
 BATCH_CANCELLED = "batch_cancelled"
 BATCH_EXPIRED = "batch_expired"
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
-COMPLETION_WINDOWS = {"24h": 24 * 3600}
 
 
 @dataclass
