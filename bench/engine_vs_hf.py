@@ -54,6 +54,17 @@ def model_overrides(args: argparse.Namespace) -> dict:
     )
 
 
+def add_model_arguments(ap: argparse.ArgumentParser, max_positions: int) -> None:
+    """The shape of the ~56M-parameter benchmark Llama (see `model_overrides`)."""
+    ap.add_argument("--hidden-size", type=int, default=512)
+    ap.add_argument("--intermediate-size", type=int, default=1408)
+    ap.add_argument("--num-layers", type=int, default=8)
+    ap.add_argument("--num-heads", type=int, default=8)
+    ap.add_argument("--num-kv-heads", type=int, default=4)
+    ap.add_argument("--vocab-size", type=int, default=32000)
+    ap.add_argument("--max-position-embeddings", type=int, default=max_positions)
+
+
 def write_model(path: Path, seed: int, overrides: dict) -> None:
     write_tiny_model(path, "llama", with_tokenizer=False, seed=seed, **overrides)
 
@@ -448,13 +459,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--block-size", type=int, default=16)
     # model shape: ~56M parameters
-    ap.add_argument("--hidden-size", type=int, default=512)
-    ap.add_argument("--intermediate-size", type=int, default=1408)
-    ap.add_argument("--num-layers", type=int, default=8)
-    ap.add_argument("--num-heads", type=int, default=8)
-    ap.add_argument("--num-kv-heads", type=int, default=4)
-    ap.add_argument("--vocab-size", type=int, default=32000)
-    ap.add_argument("--max-position-embeddings", type=int, default=1024)
+    add_model_arguments(ap, max_positions=1024)
     args = ap.parse_args(argv)
     if args.num_requests is None:
         args.num_requests = 32 if args.quick else 256

@@ -50,9 +50,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_vs_hf import (  # noqa: E402
     CpuMeter,
     ModelShape,
+    add_model_arguments,
     allocator,
     hf_generate_batch,
     load_hf,
+    model_overrides,
     prepare_model,
     print_setup,
     rule,
@@ -165,25 +167,14 @@ class StepTimes:
 
 
 @dataclass
-class EngineRun:
-    label: str
+class Throughput:
+    """What every run reports: requests, wall time, tokens, and the rates derived from them."""
+
     num_requests: int
     wall: float
     outputs: dict[str, list[int]]
     prompt_tokens: int
     output_tokens: int
-    prompt_tokens_computed: int
-    prompt_tokens_cached: int
-    kv_blocks_saved: int
-    num_deferred: int
-    num_preemptions: int
-    num_steps: int
-    peak_blocks_used: int
-    running_at_peak: int
-    max_running: int
-    contention: float
-    steps: StepTimes = field(default_factory=lambda: StepTimes())
-    block_samples: list[int] = field(default_factory=list, repr=False)
 
     @property
     def tok_s(self) -> float:
@@ -196,6 +187,23 @@ class EngineRun:
     @property
     def total_tok_s(self) -> float:
         return (self.prompt_tokens + self.output_tokens) / self.wall
+
+
+@dataclass(kw_only=True)
+class EngineRun(Throughput):
+    label: str
+    prompt_tokens_computed: int
+    prompt_tokens_cached: int
+    kv_blocks_saved: int
+    num_deferred: int
+    num_preemptions: int
+    num_steps: int
+    peak_blocks_used: int
+    running_at_peak: int
+    max_running: int
+    contention: float
+    steps: StepTimes = field(default_factory=lambda: StepTimes())
+    block_samples: list[int] = field(default_factory=list, repr=False)
 
     @property
     def cached_fraction(self) -> float:
@@ -375,28 +383,11 @@ def engine_run(
 # transformers baseline
 
 
-@dataclass
-class HFRun:
+@dataclass(kw_only=True)
+class HFRun(Throughput):
     batch_size: int
-    num_requests: int
-    wall: float
-    outputs: dict[str, list[int]]
-    prompt_tokens: int
-    output_tokens: int
     padded_prompt_tokens: int
     contention: float
-
-    @property
-    def tok_s(self) -> float:
-        return self.output_tokens / self.wall
-
-    @property
-    def req_s(self) -> float:
-        return self.num_requests / self.wall
-
-    @property
-    def total_tok_s(self) -> float:
-        return (self.prompt_tokens + self.output_tokens) / self.wall
 
 
 def run_hf(model, wl: Workload, batch_size: int, progress_s: float, quiet: bool = False) -> HFRun:
@@ -420,14 +411,14 @@ def run_hf(model, wl: Workload, batch_size: int, progress_s: float, quiet: bool 
     wall = time.perf_counter() - t0
     meter_line = meter.stop()
     run = HFRun(
-        batch_size,
-        len(wl.requests),
-        wall,
-        outputs,
-        wl.prompt_tokens,
-        wl.output_tokens,
-        padded,
-        meter.other_cores,
+        batch_size=batch_size,
+        num_requests=len(wl.requests),
+        wall=wall,
+        outputs=outputs,
+        prompt_tokens=wl.prompt_tokens,
+        output_tokens=wl.output_tokens,
+        padded_prompt_tokens=padded,
+        contention=meter.other_cores,
     )
     if not quiet:
         print(meter_line)
@@ -521,13 +512,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "plus max_num_seqs sequences' own blocks (4096 = 1 GiB at the defaults)",
     )
     # model shape: ~56M parameters, as in bench/engine_vs_hf.py but with 2,048 positions
-    ap.add_argument("--hidden-size", type=int, default=512)
-    ap.add_argument("--intermediate-size", type=int, default=1408)
-    ap.add_argument("--num-layers", type=int, default=8)
-    ap.add_argument("--num-heads", type=int, default=8)
-    ap.add_argument("--num-kv-heads", type=int, default=4)
-    ap.add_argument("--vocab-size", type=int, default=32000)
-    ap.add_argument("--max-position-embeddings", type=int, default=2048)
+    add_model_arguments(ap, max_positions=2048)
     args = ap.parse_args(argv)
     q = args.quick
     if args.requests_per_batch is None:
@@ -543,18 +528,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         args.progress = 0.0
     return args
-
-
-def model_overrides(args: argparse.Namespace) -> dict:
-    return dict(
-        hidden_size=args.hidden_size,
-        intermediate_size=args.intermediate_size,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=args.num_heads,
-        num_key_value_heads=args.num_kv_heads,
-        vocab_size=args.vocab_size,
-        max_position_embeddings=args.max_position_embeddings,
-    )
 
 
 def cdiv(a: int, b: int) -> int:
