@@ -113,6 +113,19 @@ def _load_kv_tile(
     return k, v
 
 
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """Fold one tile of scores `s` [rows, tokens] and values `v` into the running max `m_i`,
+    sum `l_i` and output `acc` (fp32). A row whose scores are all -inf so far stays empty."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
 # ---------------------------------------------------------------------------------------------
 # decode
 
@@ -161,12 +174,7 @@ def _decode_split_kernel(
         )  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
     nonempty = l_i > 0
     l_safe = tl.where(nonempty, l_i, 1.0)
@@ -318,13 +326,7 @@ def _prefill_kernel(
         )  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(valid[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     dst = out_ptr + (q_start + m)[:, None] * stride_ot + h * stride_oh + d[None, :]
