@@ -35,6 +35,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from report import rule, table  # noqa: E402
+
 from conveyor.demo_model import write_tiny_model  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
@@ -472,20 +474,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         args.decode_steps = min(args.decode_steps, 16)
     return args
-
-
-def rule(title: str = "") -> None:
-    print(f"\n== {title} " + "=" * max(0, 86 - len(title)) if title else "=" * 90, flush=True)
-
-
-def table(rows: list[tuple], header: tuple) -> None:
-    cols = [header] + [tuple(str(c) for c in r) for r in rows]
-    widths = [max(len(r[i]) for r in cols) for i in range(len(header))]
-    for j, r in enumerate(cols):
-        cells = zip(r, widths, strict=True)
-        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(cells)))
-        if j == 0:
-            print("  ".join("-" * w for w in widths))
 
 
 def print_setup(threads: int, extra: str = "") -> None:

@@ -61,6 +61,8 @@ import sqlalchemy as sa
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from report import table  # noqa: E402
+
 from conveyor.settings import normalize_database_url  # noqa: E402
 from ledger.db import make_engine  # noqa: E402
 
@@ -132,16 +134,6 @@ def git_state() -> str | None:
     except OSError:
         return None
     return (commit + ("+dirty" if dirty else "")) or None
-
-
-def table(rows: list[tuple], header: tuple) -> None:
-    cols = [header] + [tuple(str(c) for c in r) for r in rows]
-    widths = [max(len(r[i]) for r in cols) for i in range(len(header))]
-    for j, r in enumerate(cols):
-        cells = zip(r, widths, strict=True)
-        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(cells)))
-        if j == 0:
-            print("  ".join("-" * w for w in widths))
 
 
 def rate(n: int, seconds: float) -> float:

@@ -57,9 +57,8 @@ from engine_vs_hf import (  # noqa: E402
     model_overrides,
     prepare_model,
     print_setup,
-    rule,
-    table,
 )
+from report import rule, table  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 
