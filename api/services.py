@@ -6,6 +6,8 @@ import logging
 import re
 import time
 
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api import schemas
@@ -45,8 +47,33 @@ def get_batch(session: Session, batch_id: str) -> BatchRow:
     return batch
 
 
-def create_batch(state: AppState, body: schemas.BatchCreate) -> str:
-    """Validate the input file, store its requests in shards and enqueue them. Returns the id."""
+def batch_for_key(session: Session, idempotency_key: str) -> str | None:
+    return session.execute(
+        select(BatchRow.id).where(BatchRow.idempotency_key == idempotency_key)
+    ).scalar_one_or_none()
+
+
+def create_batch(
+    state: AppState, body: schemas.BatchCreate, idempotency_key: str | None = None
+) -> str:
+    """Validate the input file, store its requests in shards and enqueue them. Returns the id;
+    for an idempotency key already used, the id of the batch created with it."""
+    if idempotency_key is not None:
+        with state.ledger.session() as session:
+            if existing := batch_for_key(session, idempotency_key):
+                return existing
+    try:
+        return _create_batch(state, body, idempotency_key)
+    except IntegrityError:
+        if idempotency_key is None:
+            raise
+        with state.ledger.session() as session:  # a concurrent create with the key won
+            if existing := batch_for_key(session, idempotency_key):
+                return existing
+        raise
+
+
+def _create_batch(state: AppState, body: schemas.BatchCreate, idempotency_key: str | None) -> str:
     settings = state.settings
     with state.ledger.session() as session:
         file = get_file(session, body.input_file_id)
@@ -73,11 +100,13 @@ def create_batch(state: AppState, body: schemas.BatchCreate) -> str:
                 completion_window=body.completion_window,
                 model=validation.model,
                 metadata_=body.metadata,
+                idempotency_key=idempotency_key,
                 created_at=now,
                 total=0,
                 status="validating",
             )
             session.add(batch)
+            session.flush()  # a repeated idempotency key fails here, before any work
             if validation.errors:
                 batch.status, batch.failed_at, batch.errors = "failed", now, validation.errors
                 return batch_id

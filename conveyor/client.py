@@ -74,6 +74,7 @@ class ConveyorClient:
         endpoint: str,
         window: str = "24h",
         metadata: dict[str, str] | None = None,
+        idempotency_key: str | None = None,
     ) -> dict[str, Any]:
         body = {
             "input_file_id": file_id,
@@ -81,7 +82,17 @@ class ConveyorClient:
             "completion_window": window,
             "metadata": metadata,
         }
-        return self._check(self.http.post("/v1/batches", json=body)).json()
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return self._check(self.http.post("/v1/batches", json=body, headers=headers)).json()
+
+    def batch_for_key(self, idempotency_key: str) -> dict[str, Any] | None:
+        """The batch created with this idempotency key, if any."""
+        params = {"idempotency_key": idempotency_key}
+        data = self._check(self.http.get("/v1/batches", params=params)).json()["data"]
+        return data[0] if data else None
+
+    def delete_file(self, file_id: str) -> None:
+        self._check(self.http.delete(f"/v1/files/{file_id}"))
 
     def batch(self, batch_id: str) -> dict[str, Any]:
         return self._check(self.http.get(f"/v1/batches/{batch_id}")).json()

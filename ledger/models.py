@@ -49,6 +49,7 @@ class FileRow(Base):
 
 class BatchRow(Base):
     __tablename__ = "batches"
+    __table_args__ = (UniqueConstraint("idempotency_key", name="uq_batches_idempotency_key"),)
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     input_file_id: Mapped[str] = mapped_column(String(64))
@@ -72,6 +73,8 @@ class BatchRow(Base):
     cancelled_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # first moment a result arrived: the base of the ETA estimate
     first_result_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # the client's `Idempotency-Key` of the create call: a re-sent create returns this batch
+    idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
 
 
 class ShardRow(Base):

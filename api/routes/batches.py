@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Header, Query
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from sqlalchemy import select, tuple_
@@ -21,8 +21,14 @@ router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
 
 @router.post("", response_model=schemas.Batch)
-async def create(body: schemas.BatchCreate, state: StateDep) -> schemas.Batch:
-    batch_id = await run_in_threadpool(create_batch, state, body)
+async def create(
+    body: schemas.BatchCreate,
+    state: StateDep,
+    idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255)] = None,
+) -> schemas.Batch:
+    """With an `Idempotency-Key` header, a create that repeats a key returns the batch first
+    created with it instead of creating another."""
+    batch_id = await run_in_threadpool(create_batch, state, body, idempotency_key)
     with state.ledger.session() as session:
         return batch_object(session, get_batch(session, batch_id))
 
@@ -32,8 +38,11 @@ def list_batches(
     session: SessionDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    idempotency_key: Annotated[str | None, Query(min_length=1, max_length=255)] = None,
 ) -> schemas.BatchList:
     query = select(BatchRow)
+    if idempotency_key is not None:
+        query = query.where(BatchRow.idempotency_key == idempotency_key)
     if after:
         cursor = session.get(BatchRow, after)
         if cursor is not None:
