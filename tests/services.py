@@ -140,14 +140,11 @@ def postgres_server() -> Iterator[str]:
         yield DEFAULT_DATABASE_URL
         return
     root = Path(tempfile.mkdtemp(prefix="conveyor-pg-"))
-    url, _, data = _start_postgres(root)
+    url, stop = _start_postgres(root)
     try:
         yield url
     finally:
-        subprocess.run(
-            [_find_binary("pg_ctl") or "pg_ctl", "-D", str(data), "-m", "immediate", "stop"],
-            capture_output=True,
-        )
+        subprocess.run(stop, capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
 
 
