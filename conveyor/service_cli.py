@@ -11,11 +11,13 @@ import threading
 import time
 from pathlib import Path
 
+from conveyor.env_args import apply_env_defaults
+
 PROG = "conveyor"
 
-# exit codes of `submit --wait` (and `status --wait`)
+# exit codes of `submit --wait` and `submit --resume` (2 is a usage error, as in argparse)
 EXIT_OK = 0
-EXIT_ERROR = 1  # could not talk to the API, bad arguments
+EXIT_ERROR = 1  # could not talk to the API
 EXIT_BATCH_FAILED = 3  # validation failed the batch
 EXIT_BATCH_EXPIRED = 4
 EXIT_BATCH_CANCELLED = 5
@@ -73,6 +75,12 @@ def add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", help="worker name (default: host-pid)")
     p.add_argument("--loglevel", default="INFO")
     p.set_defaults(func=cmd_worker)
+    p.epilog = (
+        "Every option can also come from the environment: --max-num-seqs from "
+        "CONVEYOR_MAX_NUM_SEQS, --model from CONVEYOR_MODEL, and so on (the command line wins)."
+    )
+    if errors := apply_env_defaults(p):
+        p.set_defaults(func=lambda _: _fail("worker", "; ".join(errors), 2))
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -191,12 +199,25 @@ def add_submit(sub: argparse._SubParsersAction) -> None:
         f"{EXIT_BATCH_EXPIRED} expired; {EXIT_BATCH_CANCELLED} cancelled; "
         f"{EXIT_TOO_MANY_FAILED} completed with more failed requests than --max-failed.",
     )
-    p.add_argument("input", type=Path, metavar="IN.jsonl")
+    p.add_argument("input", type=Path, metavar="IN.jsonl", nargs="?")
     p.add_argument("--model", help="set body.model on every line that has none")
     p.add_argument("--endpoint", help="default: the first line's url")
     p.add_argument("--completion-window", default="24h")
     p.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--wait", action="store_true", help="wait for the batch to finish")
+    p.add_argument(
+        "--resume",
+        metavar="BATCH_ID",
+        help="reattach to this batch (printed by an earlier submit) instead of submitting: "
+        "wait for it and download its results as --wait does; IN.jsonl is not needed",
+    )
+    p.add_argument(
+        "--idempotency-key",
+        metavar="KEY",
+        help="if a batch was already created with this key, reuse it instead of submitting "
+        "again (e.g. nightly-$(date +%%F) makes a re-run of a nightly step attach to that "
+        "night's batch, whatever became of it)",
+    )
     p.add_argument("-o", "--output", type=Path, help="with --wait: write the results here")
     p.add_argument("--errors", type=Path, help="with --wait: write the error lines here")
     p.add_argument(
@@ -256,6 +277,22 @@ def _prepared_input(path: Path, model: str | None) -> tuple[Path, str | None, bo
 def cmd_submit(args: argparse.Namespace) -> int:
     from conveyor.client import APIError, ConveyorClient
 
+    if args.resume:
+        if args.idempotency_key:
+            return _fail("submit", "give --resume or --idempotency-key, not both", 2)
+        try:
+            with ConveyorClient(args.url) as client:
+                if args.wait_api:
+                    client.wait_ready(args.wait_api)
+                batch = client.batch(args.resume)
+                print(batch["id"], flush=True)
+                return wait_and_download(client, batch["id"], args)
+        except (APIError, OSError) as err:
+            return _fail("submit", str(err))
+        except Exception as err:  # httpx transport errors
+            return _fail("submit", f"{type(err).__name__}: {err}")
+    if args.input is None:
+        return _fail("submit", "give the input file IN.jsonl (or --resume BATCH_ID)", 2)
     if not args.input.is_file():
         return _fail("submit", f"input file {str(args.input)!r} does not exist", 2)
     metadata = {}
@@ -270,11 +307,27 @@ def cmd_submit(args: argparse.Namespace) -> int:
         with ConveyorClient(args.url) as client:
             if args.wait_api:
                 client.wait_ready(args.wait_api)
-            file = client.upload(path)
-            batch = client.create_batch(
-                file["id"], endpoint, args.completion_window, metadata or None
-            )
-            print(batch["id"])
+            batch = None
+            if args.idempotency_key:
+                batch = client.batch_for_key(args.idempotency_key)
+                if batch is not None:
+                    print(
+                        f"reusing batch {batch['id']} ({batch['status']}), created with "
+                        f"idempotency key {args.idempotency_key!r}",
+                        file=sys.stderr,
+                    )
+            if batch is None:
+                file = client.upload(path)
+                batch = client.create_batch(
+                    file["id"],
+                    endpoint,
+                    args.completion_window,
+                    metadata or None,
+                    args.idempotency_key,
+                )
+                if batch["input_file_id"] != file["id"]:  # a concurrent submit with the key won
+                    client.delete_file(file["id"])
+            print(batch["id"], flush=True)
             if not args.wait:
                 return EXIT_OK if batch["status"] != "failed" else _report_failed(batch)
             return wait_and_download(client, batch["id"], args)
@@ -298,6 +351,28 @@ def _report_failed(batch: dict) -> int:
     return EXIT_BATCH_FAILED
 
 
+API_OUTAGE_TOLERANCE = 300.0  # seconds a waiting submit rides out an unreachable API
+
+
+def _poll(client, batch_id: str, bar) -> dict:
+    """The batch, retrying while the API is unreachable or restarting (up to 5 minutes)."""
+    import httpx
+
+    from conveyor.client import APIError
+
+    deadline = time.monotonic() + API_OUTAGE_TOLERANCE
+    while True:
+        try:
+            return client.batch(batch_id)
+        except (httpx.TransportError, APIError) as err:
+            if isinstance(err, APIError) and err.status < 500:
+                raise
+            if time.monotonic() > deadline:
+                raise
+            bar.write(f"the API is unavailable ({err}); retrying")
+            time.sleep(2.0)
+
+
 def wait_and_download(client, batch_id: str, args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
@@ -305,7 +380,7 @@ def wait_and_download(client, batch_id: str, args: argparse.Namespace) -> int:
     with tqdm(total=batch["request_counts"]["total"], desc=batch_id, unit="req") as bar:
         while batch["status"] not in ("completed", "failed", "expired", "cancelled"):
             time.sleep(args.poll)
-            batch = client.batch(batch_id)
+            batch = _poll(client, batch_id, bar)
             counts = batch["request_counts"]
             bar.total = counts["total"]
             bar.n = counts["completed"] + counts["failed"]
@@ -374,6 +449,29 @@ def cmd_results(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_ready(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "ready",
+        help="exit 0 when the API is ready (its /readyz answers 200), else 1: a healthcheck",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=0, help="keep trying this many seconds (default: once)"
+    )
+    _add_url(p)
+    p.set_defaults(func=cmd_ready)
+
+
+def cmd_ready(args: argparse.Namespace) -> int:
+    from conveyor.client import APIError, ConveyorClient
+
+    try:
+        with ConveyorClient(args.url) as client:
+            client.wait_ready(args.timeout)
+    except APIError as err:
+        return _fail("ready", str(err))
+    return 0
+
+
 def add_cancel(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("cancel", help="cancel a batch")
     p.add_argument("batch_id")
@@ -401,4 +499,5 @@ SERVICE_SUBCOMMANDS = [
     add_status,
     add_results,
     add_cancel,
+    add_ready,
 ]

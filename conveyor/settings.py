@@ -47,6 +47,8 @@ class Settings:
     max_upload_bytes: int = 200 * 1024 * 1024
     max_line_bytes: int = 8 * 1024 * 1024
     max_batch_lines: int = 50_000
+    # workers that share a machine's GPUs each claim one through lock files here
+    gpu_lock_dir: Path | None = None
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -63,6 +65,7 @@ class Settings:
             max_upload_bytes=_env_int("CONVEYOR_MAX_UPLOAD_BYTES", 200 * 1024 * 1024),
             max_line_bytes=_env_int("CONVEYOR_MAX_LINE_BYTES", 8 * 1024 * 1024),
             max_batch_lines=_env_int("CONVEYOR_MAX_BATCH_LINES", 50_000),
+            gpu_lock_dir=Path(lock) if (lock := os.environ.get("CONVEYOR_GPU_LOCK_DIR")) else None,
         )
 
     @property

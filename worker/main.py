@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import Any
+from typing import IO, Any
 
 from conveyor.settings import Settings
 from worker.echo import ECHO_MODEL, EchoEngine
+from worker.gpu import claim_gpu
 from worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -23,6 +24,25 @@ def build_engine(model: str, engine_kwargs: dict[str, Any]) -> tuple[Any, Any]:
     return LLM(model, **engine_kwargs), SamplingParams
 
 
+def pick_device(settings: Settings, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """With CONVEYOR_GPU_LOCK_DIR set and several GPUs visible, claim one for this worker."""
+    device = engine_kwargs.get("device") or "auto"
+    if settings.gpu_lock_dir is None or device not in ("auto", "cuda"):
+        return engine_kwargs
+    import torch
+
+    count = torch.cuda.device_count()
+    if count <= 1:
+        return engine_kwargs
+    index, lock = claim_gpu(settings.gpu_lock_dir, count)
+    _held_locks.append(lock)
+    log.info("claimed GPU %d of %d (lock in %s)", index, count, settings.gpu_lock_dir)
+    return {**engine_kwargs, "device": f"cuda:{index}"}
+
+
+_held_locks: list[IO[bytes]] = []  # the GPU claim lasts as long as the process
+
+
 def start_runtime(
     settings: Settings,
     model: str,
@@ -30,6 +50,8 @@ def start_runtime(
     engine_kwargs: dict[str, Any],
     name: str | None = None,
 ) -> WorkerRuntime:
+    if model != ECHO_MODEL:
+        engine_kwargs = pick_device(settings, engine_kwargs)
     engine, params_cls = build_engine(model, engine_kwargs)
     names = list(served_names or []) + [model]
     runtime = WorkerRuntime(settings, engine, names, params_cls, name=name)
