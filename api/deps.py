@@ -8,11 +8,15 @@ from typing import Annotated
 
 from celery import Celery
 from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
+from api.errors import APIError
 from api.storage import FileStore
 from conveyor.settings import Settings
 from ledger.db import Ledger
+from ledger.keys import find_key
+from ledger.models import DEFAULT_PROJECT
 
 
 @dataclass
@@ -36,3 +40,33 @@ StateDep = Annotated[AppState, Depends(get_state)]
 # scope="function": the transaction commits before the response is sent, so a client that
 # acts on a 200 (cancel, delete) never reads the state from before it
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
+
+
+bearer = HTTPBearer(auto_error=False, description="a Conveyor API key (`conveyor keys create`)")
+
+
+def get_project(
+    state: StateDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+) -> str:
+    """The project whose files and batches this request may see: the API key's project, or
+    the default project when authentication is off."""
+    if state.settings.auth == "off":
+        return DEFAULT_PROJECT
+    if credentials is None:
+        raise unauthorized(
+            "no API key: send it as 'Authorization: Bearer <key>' (create one with "
+            "`conveyor keys create --name NAME`)"
+        )
+    with state.ledger.session() as session:
+        key = find_key(session, credentials.credentials)
+        if key is None:
+            raise unauthorized("the API key is not valid (unknown or revoked)")
+        return key.project
+
+
+def unauthorized(message: str) -> APIError:
+    return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+ProjectDep = Annotated[str, Depends(get_project)]

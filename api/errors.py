@@ -21,6 +21,7 @@ class APIError(Exception):
         code: str | None = None,
         param: str | None = None,
         type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param, self.type = (
@@ -30,6 +31,7 @@ class APIError(Exception):
             param,
             type,
         )
+        self.headers = headers
 
 
 def not_found(kind: str, object_id: str) -> APIError:
@@ -43,7 +45,9 @@ def _body(message: str, type: str, code: str | None = None, param: str | None = 
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, err: APIError) -> JSONResponse:
-        return JSONResponse(_body(err.message, err.type, err.code, err.param), err.status)
+        return JSONResponse(
+            _body(err.message, err.type, err.code, err.param), err.status, headers=err.headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:

@@ -33,50 +33,59 @@ def window_seconds(window: str) -> int:
     return int(match.group(1)) * {"h": 3600, "m": 60, "s": 1}[match.group(2)]
 
 
-def get_file(session: Session, file_id: str) -> FileRow:
+def get_file(session: Session, file_id: str, project: str) -> FileRow:
+    """The file, if it exists and belongs to `project` (else 404: another project's ids do
+    not exist for this one)."""
     file = session.get(FileRow, file_id)
-    if file is None or file.deleted:
+    if file is None or file.deleted or file.project != project:
         raise not_found("file", file_id)
     return file
 
 
-def get_batch(session: Session, batch_id: str) -> BatchRow:
+def get_batch(session: Session, batch_id: str, project: str) -> BatchRow:
     batch = session.get(BatchRow, batch_id)
-    if batch is None:
+    if batch is None or batch.project != project:
         raise not_found("batch", batch_id)
     return batch
 
 
-def batch_for_key(session: Session, idempotency_key: str) -> str | None:
+def batch_for_key(session: Session, project: str, idempotency_key: str) -> str | None:
     return session.execute(
-        select(BatchRow.id).where(BatchRow.idempotency_key == idempotency_key)
+        select(BatchRow.id).where(
+            BatchRow.project == project, BatchRow.idempotency_key == idempotency_key
+        )
     ).scalar_one_or_none()
 
 
 def create_batch(
-    state: AppState, body: schemas.BatchCreate, idempotency_key: str | None = None
+    state: AppState,
+    body: schemas.BatchCreate,
+    project: str,
+    idempotency_key: str | None = None,
 ) -> str:
     """Validate the input file, store its requests in shards and enqueue them. Returns the id;
     for an idempotency key already used, the id of the batch created with it."""
     if idempotency_key is not None:
         with state.ledger.session() as session:
-            if existing := batch_for_key(session, idempotency_key):
+            if existing := batch_for_key(session, project, idempotency_key):
                 return existing
     try:
-        return _create_batch(state, body, idempotency_key)
+        return _create_batch(state, body, project, idempotency_key)
     except IntegrityError:
         if idempotency_key is None:
             raise
         with state.ledger.session() as session:  # a concurrent create with the key won
-            if existing := batch_for_key(session, idempotency_key):
+            if existing := batch_for_key(session, project, idempotency_key):
                 return existing
         raise
 
 
-def _create_batch(state: AppState, body: schemas.BatchCreate, idempotency_key: str | None) -> str:
+def _create_batch(
+    state: AppState, body: schemas.BatchCreate, project: str, idempotency_key: str | None
+) -> str:
     settings = state.settings
     with state.ledger.session() as session:
-        file = get_file(session, body.input_file_id)
+        file = get_file(session, body.input_file_id, project)
         if file.purpose != "batch":
             raise APIError(
                 400,
@@ -95,6 +104,7 @@ def _create_batch(state: AppState, body: schemas.BatchCreate, idempotency_key: s
         with state.ledger.session() as session:
             batch = BatchRow(
                 id=batch_id,
+                project=project,
                 input_file_id=file.id,
                 endpoint=body.endpoint,
                 completion_window=body.completion_window,

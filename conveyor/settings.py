@@ -32,6 +32,9 @@ def _env_float(name: str, default: float) -> float:
         raise ValueError(f"{name} must be a number, got {raw!r}") from None
 
 
+AUTH_MODES = ("off", "required")
+
+
 @dataclass
 class Settings:
     data_dir: Path = field(default_factory=lambda: Path("conveyor-data"))
@@ -49,6 +52,11 @@ class Settings:
     max_batch_lines: int = 50_000
     # workers that share a machine's GPUs each claim one through lock files here
     gpu_lock_dir: Path | None = None
+    auth: str = "off"  # "required": every /v1 route wants a project's API key
+
+    def __post_init__(self) -> None:
+        if self.auth not in AUTH_MODES:
+            raise ValueError(f"CONVEYOR_AUTH must be 'required' or 'off', got {self.auth!r}")
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -66,6 +74,7 @@ class Settings:
             max_line_bytes=_env_int("CONVEYOR_MAX_LINE_BYTES", 8 * 1024 * 1024),
             max_batch_lines=_env_int("CONVEYOR_MAX_BATCH_LINES", 50_000),
             gpu_lock_dir=Path(lock) if (lock := os.environ.get("CONVEYOR_GPU_LOCK_DIR")) else None,
+            auth=(os.environ.get("CONVEYOR_AUTH") or "off").strip().lower(),
         )
 
     @property

@@ -27,14 +27,35 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
 
+DEFAULT_PROJECT = "default"
+
+
 class Base(DeclarativeBase):
     pass
+
+
+class ApiKeyRow(Base):
+    """An API key: only the SHA-256 of its secret is kept (the secret is 256 random bits, so
+    a plain hash is enough); the key's project owns what is made with it."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    project: Mapped[str] = mapped_column(String(128))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[int] = mapped_column(BigInteger)
+    revoked_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class FileRow(Base):
     __tablename__ = "files"
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    # the owner: the project of the API key that made it ("default" when auth is off)
+    project: Mapped[str] = mapped_column(
+        String(128), default=DEFAULT_PROJECT, server_default=DEFAULT_PROJECT, index=True
+    )
     filename: Mapped[str] = mapped_column(String(512))
     purpose: Mapped[str] = mapped_column(String(32))
     bytes: Mapped[int] = mapped_column(BigInteger, default=0)
@@ -49,9 +70,14 @@ class FileRow(Base):
 
 class BatchRow(Base):
     __tablename__ = "batches"
-    __table_args__ = (UniqueConstraint("idempotency_key", name="uq_batches_idempotency_key"),)
+    __table_args__ = (
+        UniqueConstraint("project", "idempotency_key", name="uq_batches_project_idempotency_key"),
+    )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    project: Mapped[str] = mapped_column(
+        String(128), default=DEFAULT_PROJECT, server_default=DEFAULT_PROJECT, index=True
+    )
     input_file_id: Mapped[str] = mapped_column(String(64))
     endpoint: Mapped[str] = mapped_column(String(64))
     completion_window: Mapped[str] = mapped_column(String(16))

@@ -145,6 +145,7 @@ def _write_files(session: Session, batch: BatchRow) -> None:
             continue
         file = FileRow(
             id=new_file_id(),
+            project=batch.project,
             filename=f"{batch.id}_{'output' if ok else 'error'}.jsonl",
             purpose=purpose,
             bytes=int(size) + int(n),

@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy import select, tuple_
 
 from api import schemas
-from api.deps import SessionDep, StateDep
+from api.deps import ProjectDep, SessionDep, StateDep
 from api.errors import APIError
 from api.routes.files import result_lines
 from api.services import batch_object, create_batch, get_batch
@@ -24,28 +24,30 @@ router = APIRouter(prefix="/v1/batches", tags=["batches"])
 async def create(
     body: schemas.BatchCreate,
     state: StateDep,
+    project: ProjectDep,
     idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255)] = None,
 ) -> schemas.Batch:
     """With an `Idempotency-Key` header, a create that repeats a key returns the batch first
     created with it instead of creating another."""
-    batch_id = await run_in_threadpool(create_batch, state, body, idempotency_key)
+    batch_id = await run_in_threadpool(create_batch, state, body, project, idempotency_key)
     with state.ledger.session() as session:
-        return batch_object(session, get_batch(session, batch_id))
+        return batch_object(session, get_batch(session, batch_id, project))
 
 
 @router.get("", response_model=schemas.BatchList)
 def list_batches(
     session: SessionDep,
+    project: ProjectDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     idempotency_key: Annotated[str | None, Query(min_length=1, max_length=255)] = None,
 ) -> schemas.BatchList:
-    query = select(BatchRow)
+    query = select(BatchRow).where(BatchRow.project == project)
     if idempotency_key is not None:
         query = query.where(BatchRow.idempotency_key == idempotency_key)
     if after:
         cursor = session.get(BatchRow, after)
-        if cursor is not None:
+        if cursor is not None and cursor.project == project:
             query = query.where(
                 tuple_(BatchRow.created_at, BatchRow.id) < tuple_(cursor.created_at, cursor.id)
             )
@@ -64,13 +66,15 @@ def list_batches(
 
 
 @router.get("/{batch_id}", response_model=schemas.Batch)
-def retrieve(batch_id: str, session: SessionDep) -> schemas.Batch:
-    return batch_object(session, get_batch(session, batch_id))
+def retrieve(batch_id: str, session: SessionDep, project: ProjectDep) -> schemas.Batch:
+    return batch_object(session, get_batch(session, batch_id, project))
 
 
 @router.post("/{batch_id}/cancel", response_model=schemas.Batch)
-def cancel(batch_id: str, state: StateDep, session: SessionDep) -> schemas.Batch:
-    batch = get_batch(session, batch_id)
+def cancel(
+    batch_id: str, state: StateDep, session: SessionDep, project: ProjectDep
+) -> schemas.Batch:
+    batch = get_batch(session, batch_id, project)
     if batch.status in ("failed", "completed", "expired"):
         raise APIError(
             409,
@@ -87,6 +91,7 @@ def results(
     batch_id: str,
     state: StateDep,
     session: SessionDep,
+    project: ProjectDep,
     after: Annotated[
         str | None, Query(description="the `id` of the last line already read")
     ] = None,
@@ -96,7 +101,7 @@ def results(
 
     Pass the `id` of the last line you read as `after` to get only newer ones.
     """
-    get_batch(session, batch_id)
+    get_batch(session, batch_id, project)
     after_seq = 0
     if after:
         seq = session.execute(

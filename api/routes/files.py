@@ -11,7 +11,7 @@ from fastapi.responses import FileResponse, StreamingResponse
 from sqlalchemy import select
 
 from api import schemas
-from api.deps import AppState, SessionDep, StateDep
+from api.deps import AppState, ProjectDep, SessionDep, StateDep
 from api.errors import APIError
 from api.services import get_file
 from ledger.ids import new_file_id
@@ -37,6 +37,7 @@ def file_object(file: FileRow) -> schemas.FileObject:
 @router.post("", response_model=schemas.FileObject)
 def upload_file(
     state: StateDep,
+    project: ProjectDep,
     file: Annotated[UploadFile, File(description="a JSONL batch input file")],
     purpose: Annotated[str, Form()],
 ) -> schemas.FileObject:
@@ -56,6 +57,7 @@ def upload_file(
         raise APIError(400, "the file is empty", code="empty_file", param="file")
     row = FileRow(
         id=file_id,
+        project=project,
         filename=filename,
         purpose=purpose,
         bytes=size,
@@ -72,18 +74,19 @@ def upload_file(
 @router.get("", response_model=schemas.FileList)
 def list_files(
     session: SessionDep,
+    project: ProjectDep,
     purpose: str | None = None,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
     order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
 ) -> schemas.FileList:
-    query = select(FileRow).where(FileRow.deleted.is_(False))
+    query = select(FileRow).where(FileRow.deleted.is_(False), FileRow.project == project)
     if purpose:
         query = query.where(FileRow.purpose == purpose)
     desc = order == "desc"
     if after:
         cursor = session.get(FileRow, after)
-        if cursor is not None:
+        if cursor is not None and cursor.project == project:
             key = (cursor.created_at, cursor.id)
             cols = (FileRow.created_at, FileRow.id)
             query = query.where(_tuple_lt(cols, key) if desc else _tuple_gt(cols, key))
@@ -113,13 +116,13 @@ def _tuple_gt(cols, key):
 
 
 @router.get("/{file_id}", response_model=schemas.FileObject)
-def retrieve_file(file_id: str, session: SessionDep) -> schemas.FileObject:
-    return file_object(get_file(session, file_id))
+def retrieve_file(file_id: str, session: SessionDep, project: ProjectDep) -> schemas.FileObject:
+    return file_object(get_file(session, file_id, project))
 
 
 @router.get("/{file_id}/content")
-def file_content(file_id: str, state: StateDep, session: SessionDep):
-    file = get_file(session, file_id)
+def file_content(file_id: str, state: StateDep, session: SessionDep, project: ProjectDep):
+    file = get_file(session, file_id, project)
     if file.batch_id is None:
         path = state.files.path(file.id)
         if not path.exists():
@@ -156,8 +159,10 @@ def result_lines(
 
 
 @router.delete("/{file_id}", response_model=schemas.FileDeleted)
-def delete_file(file_id: str, state: StateDep, session: SessionDep) -> schemas.FileDeleted:
-    file = get_file(session, file_id)
+def delete_file(
+    file_id: str, state: StateDep, session: SessionDep, project: ProjectDep
+) -> schemas.FileDeleted:
+    file = get_file(session, file_id, project)
     file.deleted = True
     if file.batch_id is None:
         state.files.delete(file.id)

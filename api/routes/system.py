@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import time
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from sqlalchemy import select, text
 
 from api import schemas
-from api.deps import SessionDep, StateDep
+from api.deps import SessionDep, StateDep, get_project
 from ledger.models import WorkerRow
 from worker.broker import ping
 
@@ -44,7 +44,7 @@ async def readyz(state: StateDep):
     return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
 
 
-@router.get("/v1/models", response_model=schemas.ModelList)
+@router.get("/v1/models", response_model=schemas.ModelList, dependencies=[Depends(get_project)])
 def list_models(state: StateDep, session: SessionDep) -> schemas.ModelList:
     cutoff = time.time() - state.settings.heartbeat_timeout
     models: dict[str, schemas.Model] = {}
