@@ -138,6 +138,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = _settings()
     _log_setup("INFO")
+    if settings.auth == "off":
+        print(
+            "authentication is off (CONVEYOR_AUTH=off): every client sees every file and "
+            "batch; set CONVEYOR_AUTH=required and create keys with `conveyor keys create` "
+            "before exposing the API beyond this machine",
+            file=sys.stderr,
+        )
     embedded = settings.embedded
     if settings.database_url is None:
         upgrade(settings.db_url)  # the embedded ledger migrates itself
@@ -449,6 +456,84 @@ def cmd_results(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_keys(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "keys",
+        help="create, list and revoke API keys (in the ledger at DATABASE_URL)",
+        description="API keys for CONVEYOR_AUTH=required. A key belongs to a project; the "
+        "files and batches made with it are visible only to keys of that project.",
+    )
+    keys = p.add_subparsers(dest="keys_command", required=True, metavar="{create,list,revoke}")
+    create = keys.add_parser("create", help="make a key; its secret is printed once, last")
+    create.add_argument("--name", required=True, help="what the key is for, e.g. nightly-eval")
+    create.add_argument("--project", help="the project it acts for (default: the --name)")
+    create.set_defaults(func=cmd_keys_create)
+    listing = keys.add_parser("list", help="the keys, without their secrets")
+    listing.set_defaults(func=cmd_keys_list)
+    revoke = keys.add_parser("revoke", help="revoke a key at once")
+    revoke.add_argument("key_id")
+    revoke.set_defaults(func=cmd_keys_revoke)
+
+
+def _key_ledger():
+    from ledger.db import Ledger
+    from ledger.migrate import upgrade
+
+    settings = _settings()
+    if settings.database_url is None:
+        upgrade(settings.db_url)  # the embedded ledger migrates itself
+    return Ledger(settings.db_url)
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    from ledger.keys import create_key
+
+    ledger = _key_ledger()
+    try:
+        with ledger.session() as session:
+            row, secret = create_key(session, args.name, args.project or args.name)
+    finally:
+        ledger.dispose()
+    print(f"created {row.id} ({row.name}) for project {row.project!r}; the key, shown only once:")
+    print(secret)
+    return 0
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    from ledger.keys import list_keys
+
+    ledger = _key_ledger()
+    try:
+        with ledger.session() as session:
+            rows = list_keys(session)
+    finally:
+        ledger.dispose()
+    print(f"{'id':<22} {'name':<24} {'project':<24} {'created':<20} revoked")
+    for r in rows:
+        revoked = _when(r.revoked_at) if r.revoked_at else "-"
+        print(f"{r.id:<22} {r.name:<24} {r.project:<24} {_when(r.created_at):<20} {revoked}")
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    from ledger.keys import revoke_key
+
+    ledger = _key_ledger()
+    try:
+        with ledger.session() as session:
+            row = revoke_key(session, args.key_id)
+    finally:
+        ledger.dispose()
+    if row is None:
+        return _fail("keys revoke", f"no key {args.key_id!r} (see `conveyor keys list`)")
+    print(f"revoked {row.id} ({row.name})")
+    return 0
+
+
+def _when(ts: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts))
+
+
 def add_ready(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "ready",
@@ -500,4 +585,5 @@ SERVICE_SUBCOMMANDS = [
     add_results,
     add_cancel,
     add_ready,
+    add_keys,
 ]
