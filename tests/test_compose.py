@@ -233,6 +233,7 @@ def test_compose_service_graph(variant: str) -> None:
     assert services["redis"]["image"].startswith("redis:")
     assert services["flower"]["profiles"] == ["monitoring"]
     assert services["worker"]["env_file"] == ".env"
+    assert services["api"]["environment"]["CONVEYOR_AUTH"] == "required"
 
     devices = (
         services["worker"].get("deploy", {}).get("resources", {}).get("reservations", {})
@@ -379,6 +380,15 @@ def test_compose_runs_natively_then_the_nightly_example(
         if svc.get("restart") == "no":  # one-shot: must complete before its dependents
             done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
             assert done.returncode == 0, f"{name}: {done.stdout}\n{done.stderr}"
+            if name == "migrate":  # what the README has the operator do next: make a key
+                made = subprocess.run(
+                    _argv(["conveyor", "keys", "create", "--name", "nightly"]),
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                )
+                assert made.returncode == 0, made.stderr
+                api_key = made.stdout.strip().splitlines()[-1]
             continue
         proc = native_stack.start(name, argv, env)
         if "healthcheck" in svc:
@@ -389,9 +399,13 @@ def test_compose_runs_natively_then_the_nightly_example(
                 assert time.time() < deadline, f"{name} never healthy:\n{native_stack.log(name)}"
                 time.sleep(0.5)
 
-    # the worker is up when the API lists its model
+    # the API wants a key (CONVEYOR_AUTH=required); the worker is up when the API lists its model
+    assert httpx.get(f"{api_url}/v1/models").status_code == 401
+    auth = {"Authorization": f"Bearer {api_key}"}
     deadline = time.time() + 120
-    while "tiny" not in [m["id"] for m in httpx.get(f"{api_url}/v1/models").json()["data"]]:
+    while "tiny" not in [
+        m["id"] for m in httpx.get(f"{api_url}/v1/models", headers=auth).json()["data"]
+    ]:
         assert native_stack.procs["worker"].poll() is None, native_stack.log("worker")
         assert time.time() < deadline, native_stack.log("worker")
         time.sleep(0.5)
@@ -399,6 +413,7 @@ def test_compose_runs_natively_then_the_nightly_example(
     run_env = dict(os.environ) | {
         "START_STACK": "0",
         "CONVEYOR_URL": api_url,
+        "CONVEYOR_API_KEY": api_key,
         "SERVED_MODEL": "tiny",
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
     }

@@ -3,6 +3,8 @@
 # batch, and keep its results. The exit code is `conveyor submit`'s: 0 completed, 3 failed
 # validation, 4 expired, 5 cancelled, 6 more failed requests than MAX_FAILED, 1 API unreachable.
 #
+# The API wants a key: CONVEYOR_API_KEY (made once with
+#   docker compose run --rm migrate conveyor keys create --name nightly-eval).
 # A re-run on the same day (the pipeline was restarted, the host rebooted) attaches to that
 # day's batch instead of submitting it again: the idempotency key names the day.
 set -euo pipefail
