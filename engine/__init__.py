@@ -2,7 +2,7 @@
 
 from engine.llm import LLM
 from engine.llm_engine import EngineStats, LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "CompletionOutput",
     "EngineStats",
     "LLMEngine",
+    "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
 ]

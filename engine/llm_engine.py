@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -259,8 +260,11 @@ class LLMEngine:
         sampled = self.sampler(logits, [self._sample_request(s) for s in seqs])
 
         finished: list[RequestOutput] = []
+        now = time.monotonic()
         for i, seq in enumerate(seqs):
             self._append_token(seq, sampled.token_ids[i], sampled.logprobs[i])
+            if seq.request.metrics.first_token_time is None:
+                seq.request.metrics.first_token_time = now
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
                 request = seq.request
@@ -362,6 +366,7 @@ class LLMEngine:
         )
 
     def _request_output(self, request: Request) -> RequestOutput:
+        request.metrics.finished_time = time.monotonic()
         outputs = [
             CompletionOutput(
                 index=seq.index,
@@ -382,6 +387,7 @@ class LLMEngine:
             outputs=outputs,
             finished=True,
             num_cached_tokens=request.num_cached_tokens or 0,
+            metrics=request.metrics,
         )
 
 

@@ -20,6 +20,24 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When a request went through the engine, in `time.monotonic()` seconds (as vLLM's
+    `RequestOutput.metrics`): arrival, first output token, finish."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -28,3 +46,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
 import torch
 
-from engine.outputs import TokenLogprobs
+from engine.outputs import RequestMetrics, TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -69,6 +70,7 @@ class Request:
     # prompt_logprobs[i] is for prompt token i; entry 0 is None (nothing predicts it)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int | None = None  # prompt tokens served from the cache on first admission
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     @property
     def needs_fork(self) -> bool:
