@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api import errors
 from api.deps import AppState
+from api.metrics import api_registry
 from api.routes import batches, files, system
 from api.storage import FileStore
 from conveyor import __version__
@@ -52,4 +54,11 @@ def create_app(settings: Settings | None = None, *, reconcile: bool = True) -> F
     app.include_router(files.router)
     app.include_router(batches.router)
     app.include_router(system.router)
+    registry = api_registry(lambda: app.state.conveyor.ledger)
+
+    @app.get("/metrics", tags=["system"], include_in_schema=False)
+    def metrics() -> Response:
+        """Prometheus metrics (no API key needed, like /healthz)."""
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
     return app

@@ -73,6 +73,11 @@ def add_worker(sub: argparse._SubParsersAction) -> None:
         help="shard tasks in flight at once, all feeding the one engine (default 8)",
     )
     p.add_argument("--name", help="worker name (default: host-pid)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics at http://0.0.0.0:PORT/metrics (default: not served)",
+    )
     p.add_argument("--loglevel", default="INFO")
     p.set_defaults(func=cmd_worker)
     p.epilog = (
@@ -100,6 +105,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         )
     except Exception as err:
         return _fail("worker", f"cannot start: {type(err).__name__}: {err}")
+    if args.metrics_port:
+        runtime.metrics.serve(args.metrics_port)
     try:
         consume(runtime, args.concurrency, args.loglevel)
     finally:

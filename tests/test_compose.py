@@ -232,6 +232,9 @@ def test_compose_service_graph(variant: str) -> None:
     assert services["postgres"]["image"].startswith("postgres:")
     assert services["redis"]["image"].startswith("redis:")
     assert services["flower"]["profiles"] == ["monitoring"]
+    assert services["prometheus"]["profiles"] == ["monitoring"]
+    for config in services["prometheus"]["configs"]:  # config files exist beside the compose file
+        assert (ROOT / compose["configs"][config["source"]]["file"]).is_file()
     assert services["worker"]["env_file"] == ".env"
     assert services["api"]["environment"]["CONVEYOR_AUTH"] == "required"
 
@@ -335,7 +338,7 @@ def test_compose_runs_natively_then_the_nightly_example(
 ) -> None:
     compose = variants()["cpu"]
     services: dict[str, dict] = compose["services"]
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     # what docker compose would read from .env: the example, filled in
     dotenv = env_file(ENV_EXAMPLE) | {
         "POSTGRES_PASSWORD": "unused-here",
@@ -376,6 +379,8 @@ def test_compose_runs_natively_then_the_nightly_example(
                     env[key] = str(here) + value[len(target) :]
         # the compose hosts `postgres` and `redis` are this machine's servers
         env |= {"DATABASE_URL": database_url, "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
+        if "CONVEYOR_METRICS_PORT" in env:  # a container's own port; a free one here
+            env["CONVEYOR_METRICS_PORT"] = str(metrics_port)
         argv = _argv(svc["command"])
         if svc.get("restart") == "no":  # one-shot: must complete before its dependents
             done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
@@ -451,6 +456,13 @@ def test_compose_runs_natively_then_the_nightly_example(
     errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
     assert [e["custom_id"] for e in errors] == ["bad-1"]
     assert len((out / "results.jsonl").read_text().splitlines()) == len(eval_lines)
+
+    # the worker's metrics, where deploy/prometheus.yml scrapes them
+    scraped = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+    generated = re.search(r'^conveyor:generation_tokens_total\{[^}]*\} (\S+)$', scraped, re.M)
+    assert generated and float(generated.group(1)) > 0, scraped
+    assert "port: 9400" in (ROOT / "deploy" / "prometheus.yml").read_text()
+    assert services["worker"]["environment"]["CONVEYOR_METRICS_PORT"] == 9400
 
 
 BLOCK_ENGINE_PACKAGES = """

@@ -27,6 +27,7 @@ from ledger.db import Ledger
 from ledger.models import WorkerRow
 from worker.celery_app import make_celery, queue_for, worker_queue
 from worker.engine_service import EngineJob, EngineService
+from worker.metrics import WorkerMetrics
 from worker.reconciler import ReconcilerLoop, reconcile
 from worker.writer import ResultWriter, WriteItem
 
@@ -80,7 +81,8 @@ class WorkerRuntime:
         self.ledger = Ledger(settings.db_url, pre_ping=False)
         self.app = make_celery(settings)
         self.service = EngineService(engine)
-        self.writer = ResultWriter(self.ledger)
+        self.metrics = WorkerMetrics(engine, self.model_names[0])
+        self.writer = ResultWriter(self.ledger, on_lag=self.metrics.writer_lag.observe)
         self.reconciler = ReconcilerLoop(self.ledger, self.app, settings)
         self.decoder = ob.TokenDecoder(getattr(engine, "tokenizer", None))
         self.stopped = threading.Event()
@@ -200,6 +202,7 @@ class WorkerRuntime:
 
     # ---- results (called from the engine thread) -------------------------------------------
     def _on_done(self, batch_id, request_id, parsed, model, countdown, output) -> None:
+        self.metrics.observe_request(output)
         try:
             line = ob.build_output_line(parsed, output, model, self.decoder)
         except Exception as err:

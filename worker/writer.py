@@ -29,7 +29,13 @@ class WriteItem:
 
 
 class ResultWriter(threading.Thread):
-    def __init__(self, ledger: Ledger, max_rows: int = 1000, max_delay: float = 0.01) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        max_rows: int = 1000,
+        max_delay: float = 0.01,
+        on_lag: Callable[[float], None] | None = None,
+    ) -> None:
         super().__init__(name="conveyor-result-writer", daemon=True)
         self.ledger = ledger
         self.max_rows, self.max_delay = max_rows, max_delay
@@ -38,6 +44,7 @@ class ResultWriter(threading.Thread):
         self.committed = 0
         self.started_batches: set[str] = set()  # batches whose first result is recorded
         self.lag = 0.0  # seconds the last committed batch of rows waited
+        self.on_lag = on_lag  # called with each committed row's wait, in seconds
 
     def put(self, item: WriteItem) -> None:
         self.items.put(item)
@@ -86,7 +93,11 @@ class ResultWriter(threading.Thread):
                 delay = min(delay * 2, 5.0)
         self.started_batches.update(item.row["batch_id"] for item in batch)
         self.committed += len(batch)
-        self.lag = time.time() - min(item.row["created_at"] for item in batch)
+        now = time.time()
+        self.lag = now - min(item.row["created_at"] for item in batch)
+        if self.on_lag is not None:
+            for item in batch:
+                self.on_lag(now - item.row["created_at"])
         for item in batch:
             try:
                 item.on_committed()

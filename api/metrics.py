@@ -1,0 +1,63 @@
+"""The API's Prometheus metrics: the ledger's view of the work, read at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select
+
+from ledger.db import Ledger
+from ledger.models import BatchRow, ShardRow
+
+BATCH_STATUSES = (
+    "validating",
+    "failed",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "expired",
+    "cancelling",
+    "cancelled",
+)
+
+
+class LedgerCollector(Collector):
+    def __init__(self, ledger: Callable[[], Ledger]) -> None:
+        self.ledger = ledger  # the app's ledger exists only while the app runs
+
+    def collect(self) -> Iterator[Metric]:
+        with self.ledger().session() as session:
+            by_status = dict(
+                session.execute(
+                    select(BatchRow.status, func.count()).group_by(BatchRow.status)
+                ).all()
+            )
+            queued = session.execute(
+                select(BatchRow.model, func.coalesce(func.sum(ShardRow.size), 0))
+                .join(BatchRow, BatchRow.id == ShardRow.batch_id)
+                .where(ShardRow.status == "queued")
+                .group_by(BatchRow.model)
+            ).all()
+        batches = GaugeMetricFamily(
+            "conveyor:batches", "Batches in the ledger by status.", labels=["status"]
+        )
+        for status in BATCH_STATUSES:
+            batches.add_metric([status], by_status.get(status, 0))
+        yield batches
+        depth = GaugeMetricFamily(
+            "conveyor:queue_depth",
+            "Requests in shards that no worker has started yet, by model.",
+            labels=["model_name"],
+        )
+        for model, requests in queued:
+            depth.add_metric([model or ""], int(requests))
+        yield depth
+
+
+def api_registry(ledger: Callable[[], Ledger]) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(LedgerCollector(ledger))
+    return registry
