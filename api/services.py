@@ -6,7 +6,7 @@ import logging
 import re
 import time
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -49,6 +49,27 @@ def get_batch(session: Session, batch_id: str, project: str) -> BatchRow:
     return batch
 
 
+UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+
+
+def check_in_flight(session: Session, project: str, limit: int) -> None:
+    """429 when the project already has `limit` unfinished batches."""
+    if not limit:
+        return
+    running = session.execute(
+        select(func.count())
+        .select_from(BatchRow)
+        .where(BatchRow.project == project, BatchRow.status.in_(UNFINISHED))
+    ).scalar_one()
+    if running >= limit:
+        raise APIError(
+            429,
+            f"this project has {running} unfinished batches, the limit "
+            f"(CONVEYOR_MAX_BATCHES_IN_FLIGHT) is {limit}; wait for one to finish or cancel one",
+            code="too_many_batches",
+        )
+
+
 def batch_for_key(session: Session, project: str, idempotency_key: str) -> str | None:
     return session.execute(
         select(BatchRow.id).where(
@@ -86,6 +107,7 @@ def _create_batch(
     settings = state.settings
     with state.ledger.session() as session:
         file = get_file(session, body.input_file_id, project)
+        check_in_flight(session, project, settings.max_batches_in_flight)
         if file.purpose != "batch":
             raise APIError(
                 400,
@@ -98,7 +120,11 @@ def _create_batch(
     batch_id = new_batch_id()
     with open(path, "rb") as f:
         validation = intake.validate(
-            f, body.endpoint, settings.max_line_bytes, settings.max_batch_lines
+            f,
+            body.endpoint,
+            settings.max_line_bytes,
+            settings.max_batch_lines,
+            settings.max_tokens_cap,
         )
         sends = []
         with state.ledger.session() as session:

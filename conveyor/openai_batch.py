@@ -44,6 +44,7 @@ INVALID_REQUEST = "invalid_request"
 DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
 MODEL_NOT_FOUND = "model_not_found"
 INVALID_SAMPLING_PARAMS = "invalid_sampling_params"
+MAX_TOKENS_TOO_LARGE = "max_tokens_too_large"
 INVALID_PROMPT = "invalid_prompt"
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 CHAT_TEMPLATE_ERROR = "chat_template_error"
@@ -796,14 +797,37 @@ def error_line_from_exception(err: BatchRequestError) -> dict[str, Any]:
     )
 
 
+def apply_max_tokens_cap(request: ParsedRequest, cap: int | None) -> ParsedRequest:
+    """Hold a request to the service's `max_tokens` cap: asking for more is an error (422);
+    asking for nothing means the cap."""
+    if not cap:
+        return request
+    asked = request.sampling.get("max_tokens")
+    if asked is None:
+        request.sampling["max_tokens"] = cap
+    elif asked > cap:
+        raise BatchRequestError(
+            f"max_tokens is {asked}, above this service's limit of {cap}",
+            code=MAX_TOKENS_TOO_LARGE,
+            line=request.line,
+            custom_id=request.custom_id,
+            param="body.max_tokens",
+            status_code=422,
+        )
+    return request
+
+
 class BatchLineParser:
     """Parses the lines of one batch file in order, rejecting repeated `custom_id`s.
 
     A `custom_id` counts as used as soon as a line names it, even if that line is invalid.
     """
 
-    def __init__(self, served_model_names: Iterable[str] | None = None) -> None:
+    def __init__(
+        self, served_model_names: Iterable[str] | None = None, max_tokens_cap: int | None = None
+    ) -> None:
         self.served_model_names = list(served_model_names) if served_model_names else None
+        self.max_tokens_cap = max_tokens_cap
         self.seen: dict[str, int | None] = {}
 
     def parse(self, text: str | bytes, line: int | None = None) -> ParsedRequest:
@@ -826,7 +850,7 @@ class BatchLineParser:
                 param="custom_id",
             )
         self.seen[request.custom_id] = line
-        return request
+        return apply_max_tokens_cap(request, self.max_tokens_cap)
 
 
 __all__ = [

@@ -53,6 +53,8 @@ class Settings:
     # workers that share a machine's GPUs each claim one through lock files here
     gpu_lock_dir: Path | None = None
     auth: str = "off"  # "required": every /v1 route wants a project's API key
+    max_tokens_cap: int = 0  # most tokens a request may generate; 0: the model's context
+    max_batches_in_flight: int = 0  # unfinished batches per project; 0: no limit
 
     def __post_init__(self) -> None:
         if self.auth not in AUTH_MODES:
@@ -75,6 +77,8 @@ class Settings:
             max_batch_lines=_env_int("CONVEYOR_MAX_BATCH_LINES", 50_000),
             gpu_lock_dir=Path(lock) if (lock := os.environ.get("CONVEYOR_GPU_LOCK_DIR")) else None,
             auth=(os.environ.get("CONVEYOR_AUTH") or "off").strip().lower(),
+            max_tokens_cap=_env_int("CONVEYOR_MAX_TOKENS", 0),
+            max_batches_in_flight=_env_int("CONVEYOR_MAX_BATCHES_IN_FLIGHT", 0),
         )
 
     @property

@@ -110,9 +110,15 @@ def prefix_key(request: ob.ParsedRequest) -> str:
     return hashlib.blake2b(json.dumps(lead).encode(), digest_size=8).hexdigest()
 
 
-def validate(f: IO[bytes], endpoint: str, max_line_bytes: int, max_lines: int) -> Validation:
+def validate(
+    f: IO[bytes],
+    endpoint: str,
+    max_line_bytes: int,
+    max_lines: int,
+    max_tokens_cap: int | None = None,
+) -> Validation:
     result = Validation()
-    parser = ob.BatchLineParser()
+    parser = ob.BatchLineParser(max_tokens_cap=max_tokens_cap)
     for number, offset, raw in iter_lines(f, max_line_bytes):
         result.lines += 1
         if result.lines > max_lines:

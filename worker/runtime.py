@@ -157,6 +157,7 @@ class WorkerRuntime:
         for request_id, line, raw in requests:
             try:
                 parsed = ob.parse_request_line(raw, line=line)
+                ob.apply_max_tokens_cap(parsed, self.settings.max_tokens_cap)
                 prompt, params = prepare_request(self.engine, parsed, self.sampling_params_cls)
             except ob.BatchRequestError as err:
                 self._write(batch_id, request_id, ob.error_line_from_exception(err), countdown)
