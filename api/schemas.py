@@ -185,6 +185,15 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for the errors a route can answer, all in OpenAI's error shape."""
+    return {status: {"model": ErrorResponse} for status in statuses}
+
+
+# every /v1 route: bad input, no or a bad API key, an id that is not (this project's)
+V1_ERRORS = error_responses(400, 401, 404)
+
+
 class Health(BaseModel):
     status: str
     checks: dict[str, Any] = {}

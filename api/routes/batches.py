@@ -17,10 +17,10 @@ from api.services import batch_object, create_batch, get_batch
 from ledger import transitions as tr
 from ledger.models import BatchRow, ResultRow
 
-router = APIRouter(prefix="/v1/batches", tags=["batches"])
+router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=schemas.V1_ERRORS)
 
 
-@router.post("", response_model=schemas.Batch)
+@router.post("", response_model=schemas.Batch, responses=schemas.error_responses(429))
 async def create(
     body: schemas.BatchCreate,
     state: StateDep,
@@ -70,7 +70,9 @@ def retrieve(batch_id: str, session: SessionDep, project: ProjectDep) -> schemas
     return batch_object(session, get_batch(session, batch_id, project))
 
 
-@router.post("/{batch_id}/cancel", response_model=schemas.Batch)
+@router.post(
+    "/{batch_id}/cancel", response_model=schemas.Batch, responses=schemas.error_responses(409)
+)
 def cancel(
     batch_id: str, state: StateDep, session: SessionDep, project: ProjectDep
 ) -> schemas.Batch:

@@ -17,7 +17,7 @@ from api.services import get_file
 from ledger.ids import new_file_id
 from ledger.models import FileRow, ResultRow
 
-router = APIRouter(prefix="/v1/files", tags=["files"])
+router = APIRouter(prefix="/v1/files", tags=["files"], responses=schemas.V1_ERRORS)
 
 PURPOSES = ("batch",)
 PAGE = 1000
@@ -34,7 +34,7 @@ def file_object(file: FileRow) -> schemas.FileObject:
     )
 
 
-@router.post("", response_model=schemas.FileObject)
+@router.post("", response_model=schemas.FileObject, responses=schemas.error_responses(413))
 def upload_file(
     state: StateDep,
     project: ProjectDep,

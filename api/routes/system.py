@@ -44,7 +44,12 @@ async def readyz(state: StateDep):
     return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
 
 
-@router.get("/v1/models", response_model=schemas.ModelList, dependencies=[Depends(get_project)])
+@router.get(
+    "/v1/models",
+    response_model=schemas.ModelList,
+    dependencies=[Depends(get_project)],
+    responses=schemas.error_responses(401),
+)
 def list_models(state: StateDep, session: SessionDep) -> schemas.ModelList:
     cutoff = time.time() - state.settings.heartbeat_timeout
     models: dict[str, schemas.Model] = {}
