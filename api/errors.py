@@ -7,6 +7,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,19 @@ def install(app: FastAPI) -> None:
             _body(str(err.detail), "invalid_request_error"),
             err.status_code,
             headers=getattr(err, "headers", None),
+        )
+
+    @app.exception_handler(OperationalError)
+    async def _database_down(_: Request, err: OperationalError) -> JSONResponse:
+        log.warning("the ledger database is unreachable: %s", err.orig or err)
+        return JSONResponse(
+            _body(
+                "the ledger database is unavailable; retry shortly",
+                "server_error",
+                "database_unavailable",
+            ),
+            503,
+            headers={"Retry-After": "5"},
         )
 
     @app.exception_handler(Exception)

@@ -156,7 +156,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if settings.database_url is None:
         upgrade(settings.db_url)  # the embedded ledger migrates itself
     app = create_app(settings)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info")
+    # SIGTERM: stop accepting, let requests in flight finish (up to 30 s), then exit
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30
+    )
     server = uvicorn.Server(config)
     if not embedded or args.no_worker:
         server.run()

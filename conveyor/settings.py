@@ -55,6 +55,8 @@ class Settings:
     auth: str = "off"  # "required": every /v1 route wants a project's API key
     max_tokens_cap: int = 0  # most tokens a request may generate; 0: the model's context
     max_batches_in_flight: int = 0  # unfinished batches per project; 0: no limit
+    # on SIGTERM a worker's running shards get this long before they are handed back
+    shutdown_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if self.auth not in AUTH_MODES:
@@ -79,6 +81,7 @@ class Settings:
             auth=(os.environ.get("CONVEYOR_AUTH") or "off").strip().lower(),
             max_tokens_cap=_env_int("CONVEYOR_MAX_TOKENS", 0),
             max_batches_in_flight=_env_int("CONVEYOR_MAX_BATCHES_IN_FLIGHT", 0),
+            shutdown_timeout=_env_float("CONVEYOR_SHUTDOWN_TIMEOUT", 60.0),
         )
 
     @property

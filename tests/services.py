@@ -60,74 +60,85 @@ def _find_binary(name: str) -> str | None:
     return candidates[0] if candidates else None
 
 
-def _start_postgres(root: Path) -> tuple[str, list[str]]:
-    initdb, pg_ctl = _find_binary("initdb"), _find_binary("pg_ctl")
-    if not (initdb and pg_ctl):
-        pytest.fail(
-            "PostgreSQL is not reachable at 127.0.0.1:5432 and DATABASE_URL is not set; "
-            "install PostgreSQL (initdb and pg_ctl on PATH) or point DATABASE_URL at one"
+class LocalPostgres:
+    """A throwaway PostgreSQL server from the local binaries, in `root`."""
+
+    def __init__(self, root: Path) -> None:
+        initdb, pg_ctl = _find_binary("initdb"), _find_binary("pg_ctl")
+        if not (initdb and pg_ctl):
+            pytest.fail(
+                "PostgreSQL is not reachable at 127.0.0.1:5432 and DATABASE_URL is not set; "
+                "install PostgreSQL (initdb and pg_ctl on PATH) or point DATABASE_URL at one"
+            )
+        self.root, self.pg_ctl = root, pg_ctl
+        self.data, self.port = root / "pg", free_port()
+        self.as_user: list[str] = []
+        if os.geteuid() == 0:  # PostgreSQL refuses to run as root: use its system account
+            runuser = shutil.which("runuser")
+            if not runuser:
+                pytest.fail(
+                    "PostgreSQL cannot run as root and runuser is missing; set DATABASE_URL"
+                )
+            self.as_user = [runuser, "-u", "postgres", "--"]
+            shutil.chown(root, "postgres")
+        subprocess.run(
+            [*self.as_user, initdb, "-D", str(self.data), "-U", "postgres", "--auth=trust"],
+            check=True,
+            capture_output=True,
         )
-    data, port = root / "pg", free_port()
-    user = "postgres"
-    as_user: list[str] = []
-    if os.geteuid() == 0:  # PostgreSQL refuses to run as root: use its system account
-        runuser = shutil.which("runuser")
-        if not runuser:
-            pytest.fail("PostgreSQL cannot run as root and runuser is missing; set DATABASE_URL")
-        as_user = [runuser, "-u", "postgres", "--"]
-        shutil.chown(root, "postgres")
-    subprocess.run(
-        [*as_user, initdb, "-D", str(data), "-U", user, "--auth=trust"],
-        check=True,
-        capture_output=True,
-    )
-    options = f"-p {port} -k {root} -h 127.0.0.1"
-    log = str(root / "pg.log")
-    subprocess.run(
-        [*as_user, pg_ctl, "-D", str(data), "-o", options, "-l", log, "-w", "start"],
-        check=True,
-        capture_output=True,
-    )
-    engine = sa.create_engine(
-        f"postgresql+psycopg://{user}@127.0.0.1:{port}/postgres", isolation_level="AUTOCOMMIT"
-    )
-    with engine.connect() as conn:
-        conn.execute(sa.text("CREATE DATABASE test"))
-    engine.dispose()
-    stop = [*as_user, pg_ctl, "-D", str(data), "-m", "immediate", "stop"]
-    return f"postgresql://{user}@127.0.0.1:{port}/test", stop
+        self.start()
+        engine = sa.create_engine(
+            f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres",
+            isolation_level="AUTOCOMMIT",
+        )
+        with engine.connect() as conn:
+            conn.execute(sa.text("CREATE DATABASE test"))
+        engine.dispose()
+        self.url = f"postgresql://postgres@127.0.0.1:{self.port}/test"
+
+    def _ctl(self, *args: str) -> None:
+        subprocess.run([*self.as_user, self.pg_ctl, "-D", str(self.data), *args],
+                       check=True, capture_output=True)  # fmt: skip
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.root} -h 127.0.0.1"
+        self._ctl("-o", options, "-l", str(self.root / "pg.log"), "-w", "start")
+
+    def stop(self, mode: str = "immediate") -> None:
+        self._ctl("-m", mode, "-w", "stop")
 
 
-def _start_redis(root: Path) -> tuple[str, subprocess.Popen]:
-    binary = _find_binary("redis-server")
-    if not binary:
-        pytest.fail(
-            "Redis is not reachable at 127.0.0.1:6379 and REDIS_URL is not set; "
-            "install redis-server or point REDIS_URL at one"
-        )
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(root),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    for _ in range(100):
-        if _answers("127.0.0.1", port):
-            break
-        time.sleep(0.05)
-    return f"redis://127.0.0.1:{port}/0", proc
+class LocalRedis:
+    """A throwaway Redis server that keeps nothing on disk; restarting it loses all data."""
+
+    def __init__(self, root: Path) -> None:
+        self.binary = _find_binary("redis-server")
+        if not self.binary:
+            pytest.fail(
+                "Redis is not reachable at 127.0.0.1:6379 and REDIS_URL is not set; "
+                "install redis-server or point REDIS_URL at one"
+            )
+        self.root, self.port = root, free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary or "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--dir", str(self.root)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        for _ in range(100):
+            if _answers("127.0.0.1", self.port):
+                return
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
 
 
 @pytest.fixture(scope="session")
@@ -140,11 +151,11 @@ def postgres_server() -> Iterator[str]:
         yield DEFAULT_DATABASE_URL
         return
     root = Path(tempfile.mkdtemp(prefix="conveyor-pg-"))
-    url, stop = _start_postgres(root)
+    server = LocalPostgres(root)
     try:
-        yield url
+        yield server.url
     finally:
-        subprocess.run(stop, capture_output=True)
+        server.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -158,12 +169,11 @@ def redis_server() -> Iterator[str]:
         yield DEFAULT_REDIS_URL
         return
     root = Path(tempfile.mkdtemp(prefix="conveyor-redis-"))
-    url, proc = _start_redis(root)
+    server = LocalRedis(root)
     try:
-        yield url
+        yield server.url
     finally:
-        proc.terminate()
-        proc.wait(10)
+        server.kill()
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -310,8 +320,8 @@ class Stack:
                 proc.wait(5)
 
 
-@pytest.fixture
-def stack(database_url: str, redis_url: str, tmp_path: Path) -> Iterator[Stack]:
+def stack_env(database_url: str, redis_url: str, tmp_path: Path) -> dict[str, str]:
+    """A deployment's environment: quick heartbeats and reconciler rounds, small shards."""
     env = dict(os.environ)
     env.update(
         DATABASE_URL=database_url,
@@ -324,7 +334,12 @@ def stack(database_url: str, redis_url: str, tmp_path: Path) -> Iterator[Stack]:
         CONVEYOR_VISIBILITY_TIMEOUT="600",
         PYTHONUNBUFFERED="1",
     )
-    s = Stack(env=env, root=tmp_path)
+    return env
+
+
+@pytest.fixture
+def stack(database_url: str, redis_url: str, tmp_path: Path) -> Iterator[Stack]:
+    s = Stack(env=stack_env(database_url, redis_url, tmp_path), root=tmp_path)
     try:
         yield s
     finally:

@@ -7,6 +7,8 @@ import os
 import socket
 from typing import IO, Any
 
+from celery.signals import worker_shutting_down
+
 from conveyor.settings import Settings
 from worker.echo import ECHO_MODEL, EchoEngine
 from worker.gpu import claim_gpu
@@ -73,5 +75,10 @@ def consume(runtime: WorkerRuntime, concurrency: int, loglevel: str = "INFO") ->
         "--without-mingle",
     ]
     log.info("worker %s serving %s on %s", runtime.name, runtime.model_names, runtime.queues)
+
+    @worker_shutting_down.connect(weak=False)
+    def _shutting_down(**_: Any) -> None:
+        runtime.begin_shutdown(runtime.settings.shutdown_timeout)
+
     os.environ.setdefault("FORKED_BY_MULTIPROCESSING", "1")
     runtime.app.worker_main(argv)

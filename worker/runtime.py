@@ -86,6 +86,8 @@ class WorkerRuntime:
         self.reconciler = ReconcilerLoop(self.ledger, self.app, settings)
         self.decoder = ob.TokenDecoder(getattr(engine, "tokenizer", None))
         self.stopped = threading.Event()
+        # set by a SIGTERM's deadline: running shards abort what is left and go back to queued
+        self.handing_back = threading.Event()
         self.heartbeat = threading.Thread(
             target=self._heartbeat_loop, daemon=True, name="conveyor-worker-heartbeat"
         )
@@ -145,7 +147,17 @@ class WorkerRuntime:
         return data
 
     # ---- one shard -------------------------------------------------------------------------
+    def begin_shutdown(self, timeout: float) -> None:
+        """A warm shutdown began (SIGTERM): Celery takes no more shards and waits for the
+        running ones; those not done within `timeout` seconds are handed back."""
+        log.info("shutting down: running shards get %.0fs to finish", timeout)
+        timer = threading.Timer(timeout, self.handing_back.set)
+        timer.daemon = True
+        timer.start()
+
     def run_shard(self, shard_id: int) -> str:
+        if self.handing_back.is_set():  # delivered during shutdown: leave it to another worker
+            return "handed back"
         with self.ledger.session() as session:
             claim = tr.claim_shard(session, shard_id, self.name)
         if claim is None:
@@ -175,6 +187,9 @@ class WorkerRuntime:
         while not countdown.wait(self.settings.heartbeat_interval):
             if self.service.failure is not None:
                 raise RuntimeError("the engine loop failed") from self.service.failure
+            if self.handing_back.is_set():
+                self.service.abort(engine_ids)
+                break
             try:
                 with self.ledger.session() as session:
                     status = tr.shard_heartbeat(session, shard_id)
@@ -184,8 +199,13 @@ class WorkerRuntime:
             if status != "in_progress":  # cancelled or expired: stop spending the engine on it
                 self.service.abort(engine_ids)
                 break
-        self._finish_shard(shard_id, batch_id)
-        return "done"
+        else:
+            self._finish_shard(shard_id, batch_id)
+            return "done"
+        if self.handing_back.is_set():
+            log.info("shard %s: handing back its unfinished requests", shard_id)
+        self._finish_shard(shard_id, batch_id)  # what finished stays; the rest is queued again
+        return "handed back" if self.handing_back.is_set() else "stopped"
 
     def _finish_shard(self, shard_id: int, batch_id: str) -> None:
         delay = 0.2
