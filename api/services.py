@@ -165,6 +165,13 @@ def _create_batch(
                 settings.heartbeat_timeout,
                 settings.affinity_backlog,
             )
+            log.info(
+                "batch %s created from %s: %d requests in %d shards",
+                batch_id,
+                file.id,
+                batch.total,
+                len(shards),
+            )
             if not shards:  # every line was rejected on its own: nothing to run
                 session.flush()
                 tr.maybe_finalize(session, batch_id, settings.heartbeat_timeout)
@@ -176,7 +183,13 @@ def _create_batch(
 
 
 def batch_object(session: Session, batch: BatchRow) -> schemas.Batch:
-    counts = tr.counts(session, batch.id)
+    counts = tr.Counts(
+        batch.completed_count,
+        batch.failed_count,
+        batch.prompt_tokens,
+        batch.completion_tokens,
+        batch.cached_tokens,
+    )
     total = batch.total
     progress = 1.0 if batch.status in tr.TERMINAL else (counts.done / total if total else 0.0)
     eta = None

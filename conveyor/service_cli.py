@@ -158,7 +158,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(settings)
     # SIGTERM: stop accepting, let requests in flight finish (up to 30 s), then exit
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        log_config=None,  # uvicorn's lines go through our handler (text or JSON)
+        timeout_graceful_shutdown=30,
     )
     server = uvicorn.Server(config)
     if not embedded or args.no_worker:
@@ -196,11 +201,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _log_setup(level: str) -> None:
-    import logging
+    from conveyor.logs import setup_logging
 
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(level, _settings().log_format)
 
 
 # ---- submit / status / results / cancel -------------------------------------------------------

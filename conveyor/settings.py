@@ -57,10 +57,15 @@ class Settings:
     max_batches_in_flight: int = 0  # unfinished batches per project; 0: no limit
     # on SIGTERM a worker's running shards get this long before they are handed back
     shutdown_timeout: float = 60.0
+    log_format: str = "text"  # or "json": one object per line, with batch/shard/request ids
 
     def __post_init__(self) -> None:
         if self.auth not in AUTH_MODES:
             raise ValueError(f"CONVEYOR_AUTH must be 'required' or 'off', got {self.auth!r}")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(
+                f"CONVEYOR_LOG_FORMAT must be 'text' or 'json', got {self.log_format!r}"
+            )
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -82,6 +87,7 @@ class Settings:
             max_tokens_cap=_env_int("CONVEYOR_MAX_TOKENS", 0),
             max_batches_in_flight=_env_int("CONVEYOR_MAX_BATCHES_IN_FLIGHT", 0),
             shutdown_timeout=_env_float("CONVEYOR_SHUTDOWN_TIMEOUT", 60.0),
+            log_format=(os.environ.get("CONVEYOR_LOG_FORMAT") or "text").strip().lower(),
         )
 
     @property

@@ -299,6 +299,7 @@ def store_requests(
                 )
             )
         session.execute(insert(ResultRow), results)
+        batch.failed_count = (batch.failed_count or 0) + len(results)
 
     if not shards:
         return []

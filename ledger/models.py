@@ -99,6 +99,13 @@ class BatchRow(Base):
     cancelled_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # first moment a result arrived: the base of the ETA estimate
     first_result_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # running totals of its results, kept by the transactions that insert them, so that
+    # reading a batch's progress costs one row however large the batch
+    completed_count: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    failed_count: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     # the client's `Idempotency-Key` of the create call: a re-sent create returns this batch
     idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
 

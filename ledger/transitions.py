@@ -59,6 +59,21 @@ def lock_batch(session: Session, batch_id: str) -> BatchRow | None:
 
 
 def counts(session: Session, batch_id: str) -> Counts:
+    """The batch's result totals, from its running counters."""
+    row = session.execute(
+        select(
+            BatchRow.completed_count,
+            BatchRow.failed_count,
+            BatchRow.prompt_tokens,
+            BatchRow.completion_tokens,
+            BatchRow.cached_tokens,
+        ).where(BatchRow.id == batch_id)
+    ).one_or_none()
+    return Counts(*(int(x) for x in row)) if row is not None else Counts()
+
+
+def tally_results(session: Session, batch_id: str) -> Counts:
+    """The same totals counted from the result rows (what the counters must always equal)."""
     row = session.execute(
         select(
             func.count(ResultRow.seq).filter(ResultRow.ok),
@@ -85,16 +100,52 @@ def record_results(
         from sqlalchemy.dialects.postgresql import insert as dialect_insert
     else:
         from sqlalchemy.dialects.sqlite import insert as dialect_insert
-    stmt = dialect_insert(ResultRow).on_conflict_do_nothing(index_elements=["request_id"])
-    session.execute(stmt, rows)
+    stmt = (
+        dialect_insert(ResultRow)
+        .on_conflict_do_nothing(index_elements=["request_id"])
+        .returning(
+            ResultRow.batch_id,
+            ResultRow.ok,
+            ResultRow.prompt_tokens,
+            ResultRow.completion_tokens,
+            ResultRow.cached_tokens,
+        )
+    )
+    inserted = session.execute(stmt, rows).all()  # a request that had a result: not here
     first = min(r["created_at"] for r in rows)
     fresh = {r["batch_id"] for r in rows} - (started or set())
-    for batch_id in sorted(fresh):  # one lock order: no deadlocks
-        session.execute(
-            update(BatchRow)
-            .where(BatchRow.id == batch_id, BatchRow.first_result_at.is_(None))
-            .values(first_result_at=first)
+    added: dict[str, Counts] = {}
+    for batch_id, ok, prompt, completion, cached in inserted:
+        c = added.setdefault(batch_id, Counts())
+        c.completed += bool(ok)
+        c.failed += not ok
+        c.prompt_tokens += prompt or 0
+        c.completion_tokens += completion or 0
+        c.cached_tokens += cached or 0
+    for batch_id in sorted(fresh | set(added)):  # one lock order: no deadlocks
+        add_counts(session, batch_id, added.get(batch_id, Counts()))
+        if batch_id in fresh:
+            session.execute(
+                update(BatchRow)
+                .where(BatchRow.id == batch_id, BatchRow.first_result_at.is_(None))
+                .values(first_result_at=first)
+            )
+
+
+def add_counts(session: Session, batch_id: str, c: Counts) -> None:
+    if not (c.done or c.prompt_tokens or c.completion_tokens):
+        return
+    session.execute(
+        update(BatchRow)
+        .where(BatchRow.id == batch_id)
+        .values(
+            completed_count=BatchRow.completed_count + c.completed,
+            failed_count=BatchRow.failed_count + c.failed,
+            prompt_tokens=BatchRow.prompt_tokens + c.prompt_tokens,
+            completion_tokens=BatchRow.completion_tokens + c.completion_tokens,
+            cached_tokens=BatchRow.cached_tokens + c.cached_tokens,
         )
+    )
 
 
 def unfinished_requests(session: Session, batch_id: str, shard_index: int | None = None):

@@ -102,6 +102,9 @@ def test_a_result_is_recorded_at_most_once(database_url: str):
             ok=True,
             output=text,
             created_at=time.time(),
+            prompt_tokens=7,
+            completion_tokens=3,
+            cached_tokens=2,
         )
 
     with ledger.session() as session:
@@ -115,6 +118,11 @@ def test_a_result_is_recorded_at_most_once(database_url: str):
             .all()
         )
         assert outputs == ["first"]
+        # the batch's running counters counted the first result only
+        counted = tr.counts(session, batch_id)
+        assert counted == tr.tally_results(session, batch_id)
+        assert (counted.completed, counted.failed, counted.prompt_tokens) == (1, 0, 7)
+        assert (counted.completion_tokens, counted.cached_tokens) == (3, 2)
         # the constraint itself, not only the code, refuses a second result
         with pytest.raises(sa.exc.IntegrityError), session.begin_nested():
             session.execute(sa.insert(ResultRow), [row("third")])

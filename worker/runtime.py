@@ -21,6 +21,7 @@ from sqlalchemy import delete
 
 from conveyor import openai_batch as ob
 from conveyor.batch_runner import prepare_request
+from conveyor.logs import bind, log_context
 from conveyor.settings import Settings
 from ledger import transitions as tr
 from ledger.db import Ledger
@@ -156,6 +157,10 @@ class WorkerRuntime:
         timer.start()
 
     def run_shard(self, shard_id: int) -> str:
+        with log_context(shard_id=shard_id, worker=self.name):
+            return self._run_shard(shard_id)
+
+    def _run_shard(self, shard_id: int) -> str:
         if self.handing_back.is_set():  # delivered during shutdown: leave it to another worker
             return "handed back"
         with self.ledger.session() as session:
@@ -163,6 +168,8 @@ class WorkerRuntime:
         if claim is None:
             return "skipped"
         batch_id, model, requests = claim.batch_id, claim.model, claim.requests
+        bind(batch_id=batch_id)
+        log.info("shard %s: %d requests to run", shard_id, len(requests))
         self.shard_prefixes[claim.prefix_key] += 1
         countdown = Countdown(len(requests))
         engine_ids = []
