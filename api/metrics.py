@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import get_args
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
+from api.schemas import BatchStatus
 from ledger.db import Ledger
 from ledger.models import BatchRow, ShardRow
 
-BATCH_STATUSES = (
-    "validating",
-    "failed",
-    "in_progress",
-    "finalizing",
-    "completed",
-    "expired",
-    "cancelling",
-    "cancelled",
-)
+BATCH_STATUSES = get_args(BatchStatus)
 
 
 class LedgerCollector(Collector):

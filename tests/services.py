@@ -372,6 +372,23 @@ def batch_lines(
     ]
 
 
+def submit_batch(api: str, path: Path, headers: dict[str, str] | None = None) -> str:
+    """Upload a JSONL file and create a chat-completions batch of it; returns the batch id."""
+    with open(path, "rb") as f:
+        upload = httpx.post(
+            f"{api}/v1/files",
+            files={"file": (path.name, f)},
+            data={"purpose": "batch"},
+            headers=headers,
+            timeout=120,
+        )
+    upload.raise_for_status()
+    body = {"input_file_id": upload.json()["id"], "endpoint": "/v1/chat/completions"}
+    created = httpx.post(f"{api}/v1/batches", json=body, headers=headers, timeout=120)
+    created.raise_for_status()
+    return created.json()["id"]
+
+
 def write_jsonl(path: Path, lines: list) -> Path:
     with open(path, "w") as f:
         for line in lines:

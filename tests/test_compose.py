@@ -459,7 +459,7 @@ def test_compose_runs_natively_then_the_nightly_example(
 
     # the worker's metrics, where deploy/prometheus.yml scrapes them
     scraped = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
-    generated = re.search(r'^conveyor:generation_tokens_total\{[^}]*\} (\S+)$', scraped, re.M)
+    generated = re.search(r"^conveyor:generation_tokens_total\{[^}]*\} (\S+)$", scraped, re.M)
     assert generated and float(generated.group(1)) > 0, scraped
     assert "port: 9400" in (ROOT / "deploy" / "prometheus.yml").read_text()
     assert services["worker"]["environment"]["CONVEYOR_METRICS_PORT"] == 9400

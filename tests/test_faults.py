@@ -16,19 +16,18 @@ import httpx
 import pytest
 import redis
 import sqlalchemy as sa
-from services import LocalPostgres, LocalRedis, Stack, batch_lines, stack_env, write_jsonl
+from services import (
+    LocalPostgres,
+    LocalRedis,
+    Stack,
+    batch_lines,
+    stack_env,
+    submit_batch,
+    write_jsonl,
+)
 
 from conveyor.settings import normalize_database_url
 from ledger.migrate import upgrade
-
-
-def submit(api: str, path: Path) -> str:
-    with open(path, "rb") as f:
-        file_id = httpx.post(
-            f"{api}/v1/files", files={"file": (path.name, f)}, data={"purpose": "batch"}
-        ).json()["id"]
-    body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
-    return httpx.post(f"{api}/v1/batches", json=body, timeout=60).json()["id"]
 
 
 def get(api: str, batch_id: str) -> dict:
@@ -67,17 +66,31 @@ def assert_exactly_once(api: str, batch: dict, lines: list[dict], database_url: 
     assert rows == len(lines)
 
 
+def trickling_batch(n: int = 160) -> list[dict]:
+    lines = batch_lines(n)
+    for i, line in enumerate(lines):  # short ones finish early, long ones are still running
+        line["body"]["max_tokens"] = 4 + 40 * (i % 16)
+    return lines
+
+
+def start_mid_batch(stack: Stack, model: Path, tmp_path: Path) -> tuple[str, str, list, dict]:
+    """An API and a worker running a batch that has some results and is far from done:
+    (api, batch id, its lines, its request counts then)."""
+    api = stack.start_api()
+    stack.start_worker("w1", model, "--concurrency", "4")
+    lines = trickling_batch()
+    batch_id = submit_batch(api, write_jsonl(tmp_path / "in.jsonl", lines))
+    counts = wait_until(api, batch_id, 8)["request_counts"]
+    assert counts["completed"] < len(lines)
+    return api, batch_id, lines, counts
+
+
 def test_worker_sigterm_hands_back_what_is_unfinished(
     stack: Stack, chat_model: Path, tmp_path: Path, database_url: str
 ) -> None:
     # three long shards that cannot finish within the 1 s the worker gets after SIGTERM
     stack.env.update(CONVEYOR_SHUTDOWN_TIMEOUT="1", CONVEYOR_SHARD_SIZE="64")
-    api = stack.start_api()
-    stack.start_worker("w1", chat_model, "--concurrency", "4")
-    lines = trickling_batch()
-    batch_id = submit(api, write_jsonl(tmp_path / "in.jsonl", lines))
-    at_signal = wait_until(api, batch_id, 8)["request_counts"]
-    assert at_signal["completed"] < len(lines)
+    api, batch_id, lines, at_signal = start_mid_batch(stack, chat_model, tmp_path)
 
     started = time.time()
     stack.kill("w1", signal.SIGTERM)
@@ -117,24 +130,12 @@ def private_postgres() -> Iterator[LocalPostgres]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def trickling_batch(n: int = 160) -> list[dict]:
-    lines = batch_lines(n)
-    for i, line in enumerate(lines):  # short ones finish early, long ones are still running
-        line["body"]["max_tokens"] = 4 + 40 * (i % 16)
-    return lines
-
-
 def test_redis_restarted_with_its_data_gone(
     private_redis: LocalRedis, database_url: str, chat_model: Path, tmp_path: Path
 ) -> None:
     stack = Stack(env=stack_env(database_url, private_redis.url, tmp_path), root=tmp_path)
     try:
-        api = stack.start_api()
-        stack.start_worker("w1", chat_model)
-        lines = trickling_batch()
-        batch_id = submit(api, write_jsonl(tmp_path / "in.jsonl", lines))
-        at_fault = wait_until(api, batch_id, 8)["request_counts"]
-        assert at_fault["completed"] < len(lines)
+        api, batch_id, lines, _ = start_mid_batch(stack, chat_model, tmp_path)
 
         private_redis.kill()  # every queued message is gone with it
         time.sleep(1.0)
@@ -153,12 +154,7 @@ def test_postgres_restarted_mid_batch(
     url = private_postgres.url
     stack = Stack(env=stack_env(url, redis_url, tmp_path), root=tmp_path)
     try:
-        api = stack.start_api()
-        stack.start_worker("w1", chat_model)
-        lines = trickling_batch()
-        batch_id = submit(api, write_jsonl(tmp_path / "in.jsonl", lines))
-        at_fault = wait_until(api, batch_id, 8)["request_counts"]
-        assert at_fault["completed"] < len(lines)
+        api, batch_id, lines, _ = start_mid_batch(stack, chat_model, tmp_path)
 
         private_postgres.stop("fast")  # connections drop; results pile up in the writer
         down = httpx.get(f"{api}/v1/batches/{batch_id}", timeout=30)

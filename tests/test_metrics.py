@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from services import Stack, batch_lines, free_port, write_jsonl
+from services import Stack, batch_lines, free_port, submit_batch, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "conveyor-dashboard.json"
@@ -39,15 +39,6 @@ def wait_done(api: str, batch_id: str, timeout: float = 180) -> dict:
         time.sleep(0.3)
 
 
-def submit(api: str, path: Path) -> str:
-    with open(path, "rb") as f:
-        file_id = httpx.post(
-            f"{api}/v1/files", files={"file": (path.name, f)}, data={"purpose": "batch"}
-        ).json()["id"]
-    body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
-    return httpx.post(f"{api}/v1/batches", json=body, timeout=60).json()["id"]
-
-
 def test_worker_and_api_metrics_after_a_shared_prefix_batch(
     stack: Stack, chat_model: Path, tmp_path: Path
 ) -> None:
@@ -61,7 +52,7 @@ def test_worker_and_api_metrics_after_a_shared_prefix_batch(
 
     n = 24
     lines = batch_lines(n, system=SYSTEM, max_tokens=6)
-    batch = wait_done(api, submit(api, write_jsonl(tmp_path / "in.jsonl", lines)))
+    batch = wait_done(api, submit_batch(api, write_jsonl(tmp_path / "in.jsonl", lines)))
     assert batch["status"] == "completed"
 
     after = scrape(worker)
@@ -96,7 +87,9 @@ def test_worker_and_api_metrics_after_a_shared_prefix_batch(
 
     # a batch no worker serves waits in the queue, and the API says how deep it is
     stack.kill("w1")
-    pending = submit(api, write_jsonl(tmp_path / "more.jsonl", batch_lines(10, prefix="more")))
+    pending = submit_batch(
+        api, write_jsonl(tmp_path / "more.jsonl", batch_lines(10, prefix="more"))
+    )
     api_metrics = scrape(f"{api}/metrics")
     assert api_metrics["conveyor:queue_depth"][(("model_name", "tiny"),)] == 10
     assert httpx.get(f"{api}/v1/batches/{pending}").json()["status"] == "in_progress"
