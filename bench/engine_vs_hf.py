@@ -65,6 +65,12 @@ def add_model_arguments(ap: argparse.ArgumentParser, max_positions: int) -> None
     ap.add_argument("--num-kv-heads", type=int, default=4)
     ap.add_argument("--vocab-size", type=int, default=32000)
     ap.add_argument("--max-position-embeddings", type=int, default=max_positions)
+    ap.add_argument(
+        "--attention-backend",
+        default="compiled",
+        help="our engine's attention: compiled (decode compiled by torch.compile, the fastest "
+        "on a CPU; its one compile happens in the warm-up) or torch (eager)",
+    )
 
 
 def write_model(path: Path, seed: int, overrides: dict) -> None:
@@ -591,9 +597,11 @@ def main(argv=None) -> dict:
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        attention_backend=args.attention_backend,
     )
     print(
-        f"engine init {time.perf_counter() - t:.1f}s, {llm.stats().kv_blocks_total} KV blocks "
+        f"engine init {time.perf_counter() - t:.1f}s, attention {llm.runner.backend.name}, "
+        f"{llm.stats().kv_blocks_total} KV blocks "
         f"of {args.block_size}, max_num_seqs {args.max_num_seqs}, "
         f"max_num_batched_tokens {args.max_num_batched_tokens}"
     )

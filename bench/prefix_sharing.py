@@ -242,6 +242,7 @@ def build_engine(model_dir: Path, args: argparse.Namespace, caching: bool, max_m
         max_model_len=max_model_len,
         enable_prefix_caching=caching,
         admission_policy="cache_aware" if caching else "fcfs",
+        attention_backend=args.attention_backend,
     )
 
 

@@ -1,4 +1,5 @@
-"""Paged attention backends. `torch` is the reference (CPU path, test oracle); `triton` is CUDA."""
+"""Paged attention backends. `torch` is the reference (CPU path, test oracle); `compiled` is
+the same on the CPU with its decode compiled by torch.compile; `triton` is CUDA."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from kernels import torch_paged
 from kernels.metadata import AttentionMetadata
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "compiled", "triton")
 
 
 class AttentionBackend(Protocol):
@@ -32,6 +33,7 @@ class AttentionBackend(Protocol):
 
 class TorchPagedAttention:
     name = "torch"
+    decode_attention = staticmethod(torch_paged.decode_attention)
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):  # noqa: D102
         torch_paged.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
@@ -39,7 +41,7 @@ class TorchPagedAttention:
         parts = []
         if d:
             parts.append(
-                torch_paged.decode_attention(
+                self.decode_attention(
                     query[:d],
                     k_cache,
                     v_cache,
@@ -61,6 +63,19 @@ class TorchPagedAttention:
                 )
             )
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class CompiledPagedAttention(TorchPagedAttention):
+    """The torch path with its decode attention compiled (CPU): no gathered K/V copies."""
+
+    name = "compiled"
+
+    def __init__(self) -> None:
+        from kernels import compiled_paged
+
+        if problem := compiled_paged.compiler_missing():
+            raise ValueError(f"attention_backend='compiled' needs inductor's C++ build: {problem}")
+        self.decode_attention = compiled_paged.decode_attention
 
 
 class TritonPagedAttention:
@@ -127,6 +142,10 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         name = "triton" if device.type == "cuda" and triton_available(device) else "torch"
     if name == "torch":
         return TorchPagedAttention()
+    if name == "compiled":
+        if device.type != "cpu":
+            raise ValueError("attention_backend='compiled' is for the CPU; on CUDA use 'triton'")
+        return CompiledPagedAttention()
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -145,6 +164,7 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
+    "CompiledPagedAttention",
     "TorchPagedAttention",
     "TritonPagedAttention",
     "get_attention_backend",
