@@ -8,6 +8,7 @@ from typing import Annotated
 
 from celery import Celery
 from fastapi import Depends, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
@@ -27,7 +28,8 @@ class AppState:
     files: FileStore
 
 
-def get_state(request: Request) -> AppState:
+async def get_state(request: Request) -> AppState:
+    # async: a plain attribute read must not cost a hop through the thread pool
     return request.app.state.conveyor
 
 
@@ -45,7 +47,7 @@ SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 bearer = HTTPBearer(auto_error=False, description="a Conveyor API key (`conveyor keys create`)")
 
 
-def get_project(
+async def get_project(
     state: StateDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
 ) -> str:
@@ -58,11 +60,16 @@ def get_project(
             "no API key: send it as 'Authorization: Bearer <key>' (create one with "
             "`conveyor keys create --name NAME`)"
         )
+    project = await run_in_threadpool(_key_project, state, credentials.credentials)
+    if project is None:
+        raise unauthorized("the API key is not valid (unknown or revoked)")
+    return project
+
+
+def _key_project(state: AppState, secret: str) -> str | None:
     with state.ledger.session() as session:
-        key = find_key(session, credentials.credentials)
-        if key is None:
-            raise unauthorized("the API key is not valid (unknown or revoked)")
-        return key.project
+        key = find_key(session, secret)
+        return key.project if key is not None else None
 
 
 def unauthorized(message: str) -> APIError:
