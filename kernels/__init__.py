@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from kernels import cascade, torch_paged
+from kernels import torch_paged
 from kernels.metadata import AttentionMetadata
 
 BACKENDS = ("auto", "torch", "compiled", "triton")
@@ -32,9 +32,6 @@ class AttentionBackend(Protocol):
 
 
 class TorchPagedAttention:
-    """Paged attention in torch. Sequences that share a cached prefix go through cascade
-    attention (the prefix read once for all of them); the others through the plain kernels."""
-
     name = "torch"
     decode_attention = staticmethod(torch_paged.decode_attention)
 
@@ -44,7 +41,7 @@ class TorchPagedAttention:
         parts = []
         if d:
             parts.append(
-                self._decode(
+                self.decode_attention(
                     query[:d],
                     k_cache,
                     v_cache,
@@ -55,81 +52,19 @@ class TorchPagedAttention:
             )
         if meta.num_prefills:
             parts.append(
-                self._prefill(
+                torch_paged.prefill_attention(
                     query[d:],
-                    key[d:],
-                    value[d:],
                     k_cache,
                     v_cache,
                     meta.prefill_block_tables,
                     meta.prefill_query_start,
                     meta.prefill_context_lens,
                     scale,
+                    key[d:],  # a prompt with nothing cached attends to these, no gather
+                    value[d:],
                 )
             )
         return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def _decode(self, query, k_cache, v_cache, tables, context_lens, scale):
-        groups = cascade.prefix_groups(tables, context_lens - 1, k_cache.shape[2])
-        if not groups:
-            return self.decode_attention(query, k_cache, v_cache, tables, context_lens, scale)
-        out = torch.empty_like(query)
-        rest = torch.ones(query.shape[0], dtype=torch.bool, device=query.device)
-        for rows, prefix in groups:
-            out[rows] = cascade.decode(
-                query[rows], k_cache, v_cache, tables[rows], context_lens[rows], scale, prefix
-            )
-            rest[rows] = False
-        if rest.any():
-            rows = torch.nonzero(rest).flatten()
-            out[rows] = self.decode_attention(
-                query[rows], k_cache, v_cache, tables[rows], context_lens[rows], scale
-            )
-        return out
-
-    def _prefill(
-        self, query, key, value, k_cache, v_cache, tables, query_start, context_lens, scale
-    ):
-        lens = torch.tensor(context_lens)
-        starts = lens - torch.tensor(query_start).diff()  # tokens cached before each chunk
-        groups = cascade.prefix_groups(tables, starts, k_cache.shape[2])
-        if not groups:
-            return torch_paged.prefill_attention(
-                query, k_cache, v_cache, tables, query_start, context_lens, scale, key, value
-            )
-        out = torch.empty_like(query)
-        rest = set(range(len(context_lens)))
-        for rows, prefix in groups:
-            picked = rows.tolist()
-            rest.difference_update(picked)
-            tokens, sub_start, sub_lens = _select(query_start, context_lens, picked)
-            out[tokens] = cascade.prefill(
-                query[tokens], k_cache, v_cache, tables[rows], sub_start, sub_lens, scale, prefix
-            )
-        if rest:
-            picked = sorted(rest)
-            tokens, sub_start, sub_lens = _select(query_start, context_lens, picked)
-            out[tokens] = torch_paged.prefill_attention(
-                query[tokens],
-                k_cache,
-                v_cache,
-                tables[torch.tensor(picked)],
-                sub_start,
-                sub_lens,
-                scale,
-                key[tokens],
-                value[tokens],
-            )
-        return out
-
-
-def _select(query_start: list[int], context_lens: list[int], rows: list[int]):
-    """The token indices, query starts and context lengths of some of a step's sequences."""
-    tokens = torch.cat([torch.arange(query_start[r], query_start[r + 1]) for r in rows])
-    starts = [0]
-    for r in rows:
-        starts.append(starts[-1] + query_start[r + 1] - query_start[r])
-    return tokens, starts, [context_lens[r] for r in rows]
 
 
 class CompiledPagedAttention(TorchPagedAttention):
