@@ -96,19 +96,31 @@ def prefill_attention(
     out = torch.empty_like(query)
     for i, context_len in enumerate(context_lens):
         start, end = query_start[i], query_start[i + 1]
-        q = query[start:end].transpose(0, 1)  # [heads, q_len, d]
         if key is not None and value is not None and end - start == context_len:
             # nothing cached before this chunk: attend to its own keys, plain causal
+            q = query[start:end].transpose(0, 1)  # [heads, q_len, d]
             k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
             o = _sdpa(q, k, v, None, scale)
-        else:
-            k = gather_context(k_cache, block_tables[i], context_len)
-            v = gather_context(v_cache, block_tables[i], context_len)
-            # query j sits at position context_len - q_len + j and sees keys 0..that position
-            q_pos = torch.arange(context_len - (end - start), context_len, device=query.device)
-            mask = torch.arange(context_len, device=query.device)[None, :] <= q_pos[:, None]
-            o = _sdpa(q, k, v, mask, scale)
-        out[start:end] = o.transpose(0, 1)
+            out[start:end] = o.transpose(0, 1)
+            continue
+        n = end - start
+        k = gather_context(k_cache, block_tables[i], context_len)  # [kv_heads, context, d]
+        v = gather_context(v_cache, block_tables[i], context_len)
+        kv_heads, head_dim = k.shape[0], k.shape[2]
+        group = query.shape[1] // kv_heads
+        # the query heads that share a K/V head become rows of one matrix against it (no
+        # repeated copy of K/V per head); row (token j, head g) sits at position
+        # context_len - n + j and sees keys 0..that position
+        q = query[start:end].view(n, kv_heads, group, head_dim).transpose(0, 1)
+        q = q.reshape(kv_heads, n * group, head_dim)
+        q_pos = torch.arange(context_len - n, context_len, device=query.device)
+        mask = torch.arange(context_len, device=query.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=mask.repeat_interleave(group, 0), scale=scale
+        )[0]
+        out[start:end] = (
+            o.view(kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, -1, head_dim)
+        )
     return out
 
 
