@@ -1,12 +1,19 @@
 from __future__ import annotations
 
 import functools
-from pathlib import Path
+import os
 
-import pytest
-import torch
+# Triton reads this when it is first imported, and torch.compile (the compiled CPU attention)
+# imports Triton early: set it before any test runs so the Triton kernels' tests run on the
+# interpreter whatever ran before them. CPU code paths never launch Triton kernels.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from conveyor.demo_model import write_tiny_model
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from conveyor.demo_model import write_tiny_model  # noqa: E402
 
 pytest_plugins = ["services"]
 
