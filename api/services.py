@@ -49,9 +49,6 @@ def get_batch(session: Session, batch_id: str, project: str) -> BatchRow:
     return batch
 
 
-UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
-
-
 def check_in_flight(session: Session, project: str, limit: int) -> None:
     """429 when the project already has `limit` unfinished batches."""
     if not limit:
@@ -59,7 +56,7 @@ def check_in_flight(session: Session, project: str, limit: int) -> None:
     running = session.execute(
         select(func.count())
         .select_from(BatchRow)
-        .where(BatchRow.project == project, BatchRow.status.in_(UNFINISHED))
+        .where(BatchRow.project == project, BatchRow.status.not_in(tr.TERMINAL))
     ).scalar_one()
     if running >= limit:
         raise APIError(
@@ -142,7 +139,7 @@ def _create_batch(
                 status="validating",
             )
             session.add(batch)
-            session.flush()  # a repeated idempotency key fails here, before any work
+            session.flush()  # a repeated idempotency key fails here, before requests are stored
             if validation.errors:
                 batch.status, batch.failed_at, batch.errors = "failed", now, validation.errors
                 return batch_id
@@ -183,13 +180,7 @@ def _create_batch(
 
 
 def batch_object(session: Session, batch: BatchRow) -> schemas.Batch:
-    counts = tr.Counts(
-        batch.completed_count,
-        batch.failed_count,
-        batch.prompt_tokens,
-        batch.completion_tokens,
-        batch.cached_tokens,
-    )
+    counts = tr.counts(batch)
     total = batch.total
     progress = 1.0 if batch.status in tr.TERMINAL else (counts.done / total if total else 0.0)
     eta = None

@@ -58,32 +58,15 @@ def lock_batch(session: Session, batch_id: str) -> BatchRow | None:
     ).scalar_one_or_none()
 
 
-def counts(session: Session, batch_id: str) -> Counts:
-    """The batch's result totals, from its running counters."""
-    row = session.execute(
-        select(
-            BatchRow.completed_count,
-            BatchRow.failed_count,
-            BatchRow.prompt_tokens,
-            BatchRow.completion_tokens,
-            BatchRow.cached_tokens,
-        ).where(BatchRow.id == batch_id)
-    ).one_or_none()
-    return Counts(*(int(x) for x in row)) if row is not None else Counts()
-
-
-def tally_results(session: Session, batch_id: str) -> Counts:
-    """The same totals counted from the result rows (what the counters must always equal)."""
-    row = session.execute(
-        select(
-            func.count(ResultRow.seq).filter(ResultRow.ok),
-            func.count(ResultRow.seq).filter(~ResultRow.ok),
-            func.coalesce(func.sum(ResultRow.prompt_tokens), 0),
-            func.coalesce(func.sum(ResultRow.completion_tokens), 0),
-            func.coalesce(func.sum(ResultRow.cached_tokens), 0),
-        ).where(ResultRow.batch_id == batch_id)
-    ).one()
-    return Counts(*(int(x) for x in row))
+def counts(batch: BatchRow) -> Counts:
+    """The batch's result totals, from the running counters on its row."""
+    return Counts(
+        batch.completed_count,
+        batch.failed_count,
+        batch.prompt_tokens,
+        batch.completion_tokens,
+        batch.cached_tokens,
+    )
 
 
 def record_results(
