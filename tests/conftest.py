@@ -69,3 +69,29 @@ def random_prompts(
     ).tolist()
     # avoid the special ids 0..2 so prompts never contain EOS
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def assert_greedy_matches_hf_through(path: Path, attention_backend: str, seed: int) -> None:
+    """The engine's greedy equality with transformers through one attention backend: mixed
+    lengths, long prompts split across steps, and a prompt whose prefix comes from the cache."""
+    from engine import LLM, SamplingParams
+
+    prompts = random_prompts(6, 1, 90, seed=seed)
+    max_tokens = [6, 3, 8, 5, 1, 7]
+    llm = LLM(
+        str(path),
+        device="cpu",
+        dtype="float32",
+        block_size=8,
+        max_num_batched_tokens=48,
+        attention_backend=attention_backend,
+    )
+    assert llm.runner.backend.name == attention_backend
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, m, out in zip(prompts, max_tokens, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, m)
+    shared = prompts[1][:40] + prompts[0][:10]  # prompt 1 is 90 tokens long
+    (again,) = llm.generate([shared], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert again.num_cached_tokens == 40
+    assert again.outputs[0].token_ids == hf_greedy(path, shared, 6)

@@ -10,10 +10,9 @@ import torch
 import torch._dynamo
 from test_kernels import paged_setup
 
-from engine import LLM, SamplingParams
 from kernels import compiled_paged, get_attention_backend
 from kernels import torch_paged as ref
-from tests.conftest import hf_greedy, random_prompts
+from tests.conftest import assert_greedy_matches_hf_through
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 32, 8
 
@@ -62,26 +61,8 @@ def test_new_batch_sizes_and_widths_do_not_recompile() -> None:
 
 
 def test_engine_greedy_matches_transformers_through_the_compiled_backend(checkpoints) -> None:
-    path = checkpoints["qwen3"]
-    prompts = random_prompts(6, 1, 90, seed=5)
-    max_tokens = [6, 3, 8, 5, 1, 7]
-    llm = LLM(
-        str(path),
-        device="cpu",
-        dtype="float32",
-        block_size=BLOCK,
-        max_num_batched_tokens=48,  # long prompts are split across steps
-        attention_backend="compiled",
-    )
-    assert llm.runner.backend.name == "compiled"
-    params = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    for prompt, m, out in zip(prompts, max_tokens, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(path, prompt, m)
-    shared = prompts[1][:40] + prompts[0][:10]
-    (again,) = llm.generate([shared], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
-    assert again.num_cached_tokens == 40
-    assert again.outputs[0].token_ids == hf_greedy(path, shared, 6)
+    assert BLOCK == 8  # the block size the shared check uses: one compile for this file
+    assert_greedy_matches_hf_through(checkpoints["qwen3"], "compiled", seed=5)
 
 
 def test_compiled_backend_is_for_the_cpu_and_needs_a_compiler(monkeypatch) -> None:

@@ -17,10 +17,9 @@ import random  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
 from kernels import torch_paged as ref  # noqa: E402
 from kernels import triton_paged as tk  # noqa: E402
-from tests.conftest import hf_greedy, random_prompts  # noqa: E402
+from tests.conftest import assert_greedy_matches_hf_through  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
 HEAD_SIZES = (64, 80, 96, 128, 256)
@@ -190,28 +189,7 @@ def test_store_kv_writes_only_its_slots(dtype):
 
 
 def test_engine_greedy_matches_transformers_through_triton(checkpoints):
-    """The engine's greedy equality, with attention through the Triton kernels: mixed
-    lengths, chunked prefill, and a prompt whose prefix is served from the cache."""
-    path = checkpoints["qwen3"]
-    prompts = random_prompts(6, 1, 90, seed=3)
-    max_tokens = [6, 3, 8, 5, 1, 7]
-    llm = LLM(
-        str(path),
-        device="cpu",
-        dtype="float32",
-        block_size=8,
-        max_num_batched_tokens=48,
-        attention_backend="triton",
-    )
-    assert llm.runner.backend.name == "triton"
-    params = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    for prompt, m, out in zip(prompts, max_tokens, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(path, prompt, m)
-    shared = prompts[1][:40] + prompts[0][:10]  # prompt 1 is 90 tokens long
-    (again,) = llm.generate([shared], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
-    assert again.num_cached_tokens == 40
-    assert again.outputs[0].token_ids == hf_greedy(path, shared, 6)
+    assert_greedy_matches_hf_through(checkpoints["qwen3"], "triton", seed=3)
 
 
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
