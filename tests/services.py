@@ -389,6 +389,35 @@ def submit_batch(api: str, path: Path, headers: dict[str, str] | None = None) ->
     return created.json()["id"]
 
 
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+
+
+def wait_for(
+    api: str,
+    batch_id: str,
+    statuses=TERMINAL,
+    timeout: float = 300,
+    headers: dict[str, str] | None = None,
+) -> dict:
+    """The batch object once its status is one of `statuses`; fails after `timeout` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        batch = httpx.get(f"{api}/v1/batches/{batch_id}", headers=headers, timeout=30).json()
+        if batch["status"] in statuses:
+            return batch
+        time.sleep(0.3)
+    raise AssertionError(f"batch {batch_id} still {batch['status']} after {timeout}s: {batch}")
+
+
+def download(api: str, file_id: str | None, headers: dict[str, str] | None = None) -> list[dict]:
+    """The JSON lines of a file (none for no file)."""
+    if file_id is None:
+        return []
+    r = httpx.get(f"{api}/v1/files/{file_id}/content", headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    return [json.loads(line) for line in r.text.splitlines() if line.strip()]
+
+
 def write_jsonl(path: Path, lines: list) -> Path:
     with open(path, "w") as f:
         for line in lines:

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from services import Stack, batch_lines, write_jsonl
+from services import Stack, batch_lines, wait_for, write_jsonl
 
 
 def keys(stack: Stack, *args: str) -> subprocess.CompletedProcess:
@@ -36,6 +35,7 @@ def new_key(stack: Stack, name: str) -> tuple[str, str]:
 
 class Project:
     def __init__(self, api: str, secret: str) -> None:
+        self.api = api
         self.http = httpx.Client(
             base_url=api, headers={"Authorization": f"Bearer {secret}"}, timeout=60
         )
@@ -53,14 +53,8 @@ class Project:
         body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
         return self.http.post("/v1/batches", json=body, headers=headers)
 
-    def wait(self, batch_id: str, timeout: float = 180) -> dict:
-        deadline = time.time() + timeout
-        while True:
-            batch = self.http.get(f"/v1/batches/{batch_id}").json()
-            if batch["status"] in ("completed", "failed", "expired", "cancelled"):
-                return batch
-            assert time.time() < deadline, batch
-            time.sleep(0.3)
+    def wait(self, batch_id: str) -> dict:
+        return wait_for(self.api, batch_id, timeout=180, headers=dict(self.http.headers))
 
 
 @pytest.fixture

@@ -3,12 +3,10 @@ work starts, and the rest of the work goes on."""
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 
 import httpx
-from services import Stack, batch_lines, write_jsonl
+from services import Stack, batch_lines, download, wait_for, write_jsonl
 
 
 def upload(api: str, path: Path) -> httpx.Response:
@@ -54,33 +52,20 @@ def test_limits(stack: Stack, chat_model: Path, tmp_path: Path) -> None:
     )
     assert len(httpx.get(f"{api}/v1/batches").json()["data"]) == 2  # nothing was made
     httpx.post(f"{api}/v1/batches/{second['id']}/cancel").raise_for_status()
-    deadline = time.time() + 30
-    while httpx.get(f"{api}/v1/batches/{second['id']}").json()["status"] != "cancelled":
-        assert time.time() < deadline
-        time.sleep(0.2)
+    wait_for(api, second["id"], statuses=("cancelled",), timeout=30)
     assert create(api, file_id).status_code == 200
 
     # max_tokens: a line over the cap fails alone (422 in the error file); the others run,
     # and one that does not say gets the cap
     stack.start_worker("w1", chat_model)
-    deadline = time.time() + 180
-    while (batch := httpx.get(f"{api}/v1/batches/{first['id']}").json())["status"] != "completed":
-        assert time.time() < deadline, batch
-        time.sleep(0.3)
-    errors_text = httpx.get(f"{api}/v1/files/{batch['error_file_id']}/content").text
-    assert batch["request_counts"] == {"total": 3, "completed": 2, "failed": 1}, errors_text
-    errors = [
-        json.loads(x)
-        for x in httpx.get(f"{api}/v1/files/{batch['error_file_id']}/content").text.splitlines()
-    ]
+    batch = wait_for(api, first["id"], statuses=("completed",), timeout=180)
+    errors = download(api, batch["error_file_id"])
+    assert batch["request_counts"] == {"total": 3, "completed": 2, "failed": 1}, errors
     assert [e["custom_id"] for e in errors] == ["q-0"]
     assert errors[0]["response"]["status_code"] == 422
     body = errors[0]["response"]["body"]["error"]
     assert body["code"] == "max_tokens_too_large" and "limit of 8" in body["message"]
-    outputs = [
-        json.loads(x)
-        for x in httpx.get(f"{api}/v1/files/{batch['output_file_id']}/content").text.splitlines()
-    ]
+    outputs = download(api, batch["output_file_id"])
     usage = {o["custom_id"]: o["response"]["body"]["usage"]["completion_tokens"] for o in outputs}
     assert set(usage) == {"q-1", "q-2"}
     assert all(0 < n <= 8 for n in usage.values()), usage

@@ -7,8 +7,7 @@ import json
 import time
 from pathlib import Path
 
-import httpx
-from services import Stack, batch_lines, write_jsonl
+from services import Stack, batch_lines, submit_batch, wait_for, write_jsonl
 
 
 def json_lines(text: str) -> list[dict]:
@@ -25,17 +24,10 @@ def test_json_logs_carry_batch_and_shard_ids(
     stack.env["CONVEYOR_LOG_FORMAT"] = "json"
     api = stack.start_api()
     stack.start_worker("w1", chat_model)
-    path = write_jsonl(tmp_path / "in.jsonl", batch_lines(20))
-    with open(path, "rb") as f:
-        file_id = httpx.post(
-            f"{api}/v1/files", files={"file": f}, data={"purpose": "batch"}
-        ).json()["id"]
-    body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
-    batch_id = httpx.post(f"{api}/v1/batches", json=body).json()["id"]
-    deadline = time.time() + 120
-    while httpx.get(f"{api}/v1/batches/{batch_id}").json()["status"] != "completed":
-        assert time.time() < deadline
-        time.sleep(0.2)
+    batch_id = submit_batch(api, write_jsonl(tmp_path / "in.jsonl", batch_lines(20)))
+    batch = wait_for(api, batch_id, timeout=120)
+    assert batch["status"] == "completed"
+    file_id = batch["input_file_id"]
     time.sleep(0.5)  # let the last lines reach the files
 
     for name in ("api", "w1"):

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from services import Stack, batch_lines, free_port, submit_batch, write_jsonl
+from services import Stack, batch_lines, free_port, submit_batch, wait_for, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "conveyor-dashboard.json"
@@ -29,16 +28,6 @@ def total(samples: dict[str, dict[tuple, float]], name: str) -> float:
     return sum(samples.get(name, {}).values())
 
 
-def wait_done(api: str, batch_id: str, timeout: float = 180) -> dict:
-    deadline = time.time() + timeout
-    while True:
-        batch = httpx.get(f"{api}/v1/batches/{batch_id}").json()
-        if batch["status"] in ("completed", "failed", "expired", "cancelled"):
-            return batch
-        assert time.time() < deadline, batch
-        time.sleep(0.3)
-
-
 def test_worker_and_api_metrics_after_a_shared_prefix_batch(
     stack: Stack, chat_model: Path, tmp_path: Path
 ) -> None:
@@ -52,7 +41,7 @@ def test_worker_and_api_metrics_after_a_shared_prefix_batch(
 
     n = 24
     lines = batch_lines(n, system=SYSTEM, max_tokens=6)
-    batch = wait_done(api, submit_batch(api, write_jsonl(tmp_path / "in.jsonl", lines)))
+    batch = wait_for(api, submit_batch(api, write_jsonl(tmp_path / "in.jsonl", lines)))
     assert batch["status"] == "completed"
 
     after = scrape(worker)

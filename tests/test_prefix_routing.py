@@ -8,8 +8,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import sqlalchemy as sa
-from services import Stack, batch_lines, write_jsonl
-from test_service import submit, wait_for
+from services import Stack, batch_lines, wait_for, write_jsonl
+from test_service import submit
 from test_service_recovery import assert_each_once, ledger, wait_results, worker_stats
 
 from conveyor import openai_batch as ob

@@ -10,11 +10,9 @@ from pathlib import Path
 
 import httpx
 import sqlalchemy as sa
-from services import Stack, batch_lines, write_jsonl
+from services import Stack, batch_lines, download, wait_for, write_jsonl
 
 from conveyor.settings import normalize_database_url
-
-TERMINAL = ("completed", "failed", "expired", "cancelled")
 
 
 def submit(api: str, path: Path, endpoint: str = "/v1/chat/completions") -> dict:
@@ -30,24 +28,6 @@ def submit(api: str, path: Path, endpoint: str = "/v1/chat/completions") -> dict
     )
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def wait_for(api: str, batch_id: str, statuses=TERMINAL, timeout: float = 300) -> dict:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        batch = httpx.get(f"{api}/v1/batches/{batch_id}", timeout=30).json()
-        if batch["status"] in statuses:
-            return batch
-        time.sleep(0.3)
-    raise AssertionError(f"batch {batch_id} still {batch['status']} after {timeout}s: {batch}")
-
-
-def download(api: str, file_id: str | None) -> list[dict]:
-    if file_id is None:
-        return []
-    r = httpx.get(f"{api}/v1/files/{file_id}/content", timeout=60)
-    assert r.status_code == 200, r.text
-    return [json.loads(line) for line in r.text.splitlines() if line.strip()]
 
 
 def run_batch_offline(model: Path, path: Path, tmp: Path) -> dict[str, dict]:

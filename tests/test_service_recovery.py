@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import redis
 import sqlalchemy as sa
-from services import Stack, batch_lines, write_jsonl
-from test_service import download, submit, wait_for
+from services import Stack, batch_lines, download, wait_for, write_jsonl
+from test_service import submit
 
 from conveyor.settings import normalize_database_url
 
