@@ -166,3 +166,71 @@ def test_shards_group_requests_by_system_prompt(database_url: str):
             assert len(raws) == 4 and len(systems) == 1
         assert session.execute(sa.select(sa.func.count(ShardRow.id))).scalar_one() == 3
     ledger.dispose()
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def any_ledger(request, tmp_path: Path):
+    if request.param == "postgresql":
+        url = normalize_database_url(request.getfixturevalue("database_url"))
+    else:
+        url = f"sqlite:///{tmp_path / 'l.db'}"
+        assert migrate(url).returncode == 0
+    ledger = Ledger(url)
+    yield ledger
+    ledger.dispose()
+
+
+def result_row(batch_id: str, request_id: int, ok: bool = True) -> dict:
+    return dict(
+        request_id=request_id,
+        batch_id=batch_id,
+        line_id=f"line-{request_id}",
+        ok=ok,
+        output="{}",
+        created_at=time.time(),
+    )
+
+
+def test_a_shard_runs_to_the_end_of_its_batch(any_ledger: Ledger):
+    """claim -> some results -> finish reopens the shard -> a second claim takes only what is
+    left -> finish closes it -> the batch completes once every shard is done."""
+    batch_id, shards = make_batch(any_ledger, batch_lines(6), shard_size=3)
+    (first_id, _, _), (second_id, _, _) = shards
+    with any_ledger.session() as session:
+        claim = tr.claim_shard(session, first_id, "w1")
+    assert claim is not None and claim.batch_id == batch_id and len(claim.requests) == 3
+    assert claim.model == "tiny"
+    done_ids = [request_id for request_id, _, _ in claim.requests[:2]]
+    with any_ledger.session() as session:
+        tr.record_results(session, [result_row(batch_id, i) for i in done_ids])
+        tr.close_shards(session, [(first_id, batch_id)], 60)
+    with any_ledger.session() as session:
+        assert session.get(ShardRow, first_id).status == "queued"  # one request left
+        again = tr.claim_shard(session, first_id, "w2")
+    assert again is not None and [r[0] for r in again.requests] == [claim.requests[2][0]]
+    with any_ledger.session() as session:
+        shard = session.get(ShardRow, first_id)
+        assert (shard.status, shard.attempts, shard.worker) == ("running", 2, "w2")
+        tr.record_results(session, [result_row(batch_id, again.requests[0][0], ok=False)])
+        tr.close_shards(session, [(first_id, batch_id)], 60)
+    with any_ledger.session() as session:
+        assert session.get(BatchRow, batch_id).status == "in_progress"  # the second shard is open
+    with any_ledger.session() as session:
+        second = tr.claim_shard(session, second_id, "w1")
+        tr.record_results(session, [result_row(batch_id, r[0]) for r in second.requests])
+        tr.close_shards(session, [(second_id, batch_id)], 60)  # the last one: the batch completes
+    with any_ledger.session() as session:
+        batch = session.get(BatchRow, batch_id)
+        assert batch.status == "completed"
+        assert (batch.completed_count, batch.failed_count) == (5, 1)
+        assert batch.output_file_id and batch.error_file_id
+        assert tr.claim_shard(session, second_id, "w1") is None  # a finished batch runs nothing
+
+
+def test_a_cancelled_batch_gives_no_shard_to_run(any_ledger: Ledger):
+    batch_id, shards = make_batch(any_ledger, batch_lines(4), shard_size=4)
+    with any_ledger.session() as session:
+        session.get(BatchRow, batch_id).status = "cancelling"
+    with any_ledger.session() as session:
+        assert tr.claim_shard(session, shards[0][0], "w1") is None
+        assert session.get(ShardRow, shards[0][0]).attempts == 0

@@ -47,8 +47,9 @@ class EngineService(threading.Thread):
         self.failure: BaseException | None = None
 
     # ---- called from task threads ------------------------------------------------------------
-    def submit(self, job: EngineJob) -> None:
-        self.inbox.put(job)
+    def submit(self, jobs: list[EngineJob]) -> None:
+        for job in jobs:
+            self.inbox.put(job)
         self.wakeup.set()
 
     def abort(self, request_ids: list[str]) -> None:

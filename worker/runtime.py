@@ -30,7 +30,7 @@ from worker.celery_app import make_celery, queue_for, worker_queue
 from worker.engine_service import EngineJob, EngineService
 from worker.metrics import WorkerMetrics
 from worker.reconciler import ReconcilerLoop, reconcile
-from worker.writer import ResultWriter, WriteItem
+from worker.writer import ResultWriter, ShardTally, WriteItem
 
 log = logging.getLogger(__name__)
 
@@ -41,23 +41,6 @@ def get_runtime() -> WorkerRuntime:
     if _runtime is None:
         raise RuntimeError("this process has no worker runtime; start it with `conveyor worker`")
     return _runtime
-
-
-class Countdown:
-    """Counts a shard's requests down to zero as their results are committed."""
-
-    def __init__(self, n: int) -> None:
-        self.left = n
-        self.cond = threading.Condition()
-
-    def tick(self) -> None:
-        with self.cond:
-            self.left -= 1
-            self.cond.notify_all()
-
-    def wait(self, timeout: float) -> bool:
-        with self.cond:
-            return self.cond.wait_for(lambda: self.left <= 0, timeout)
 
 
 class WorkerRuntime:
@@ -83,7 +66,9 @@ class WorkerRuntime:
         self.app = make_celery(settings)
         self.service = EngineService(engine)
         self.metrics = WorkerMetrics(engine, self.model_names[0])
-        self.writer = ResultWriter(self.ledger, on_lag=self.metrics.writer_lag.observe)
+        self.writer = ResultWriter(
+            self.ledger, settings.heartbeat_timeout, on_lag=self.metrics.writer_lag.observe
+        )
         self.reconciler = ReconcilerLoop(self.ledger, self.app, settings)
         self.decoder = ob.TokenDecoder(getattr(engine, "tokenizer", None))
         self.stopped = threading.Event()
@@ -171,31 +156,34 @@ class WorkerRuntime:
         bind(batch_id=batch_id)
         log.info("shard %s: %d requests to run", shard_id, len(requests))
         self.shard_prefixes[claim.prefix_key] += 1
-        countdown = Countdown(len(requests))
-        engine_ids = []
+        tally = ShardTally(shard_id, batch_id, len(requests))
+        jobs = []
         for request_id, line, raw in requests:
             try:
                 parsed = ob.parse_request_line(raw, line=line)
                 ob.apply_max_tokens_cap(parsed, self.settings.max_tokens_cap)
                 prompt, params = prepare_request(self.engine, parsed, self.sampling_params_cls)
             except ob.BatchRequestError as err:
-                self._write(batch_id, request_id, ob.error_line_from_exception(err), countdown)
+                self._write(batch_id, request_id, ob.error_line_from_exception(err), tally)
                 continue
             job = EngineJob(
                 f"{batch_id}:{request_id}",
                 prompt,
                 params,
-                on_done=partial(self._on_done, batch_id, request_id, parsed, model, countdown),
-                on_error=partial(self._on_refused, batch_id, request_id, parsed, countdown),
+                on_done=partial(self._on_done, batch_id, request_id, parsed, model, tally),
+                on_error=partial(self._on_refused, batch_id, request_id, parsed, tally),
             )
-            self.service.submit(job)
-            engine_ids.append(job.request_id)
+            jobs.append(job)
+        self.service.submit(jobs)
+        engine_ids = [job.request_id for job in jobs]
 
-        while not countdown.wait(self.settings.heartbeat_interval):
+        if not requests:  # all done on an earlier run: the writer has nothing to close
+            self._finish_shard(shard_id, batch_id)
+            return "done"
+        while not tally.wait(self.settings.heartbeat_interval):
             if self.service.failure is not None:
                 raise RuntimeError("the engine loop failed") from self.service.failure
             if self.handing_back.is_set():
-                self.service.abort(engine_ids)
                 break
             try:
                 with self.ledger.session() as session:
@@ -204,11 +192,11 @@ class WorkerRuntime:
                 log.warning("shard %s heartbeat failed; retrying", shard_id)
                 continue
             if status != "in_progress":  # cancelled or expired: stop spending the engine on it
-                self.service.abort(engine_ids)
                 break
         else:
-            self._finish_shard(shard_id, batch_id)
-            return "done"
+            return "done"  # the writer closed the shard with its last result
+        tally.take_over()
+        self.service.abort(engine_ids)
         if self.handing_back.is_set():
             log.info("shard %s: handing back its unfinished requests", shard_id)
         self._finish_shard(shard_id, batch_id)  # what finished stays; the rest is queued again
@@ -219,9 +207,9 @@ class WorkerRuntime:
         while True:
             try:
                 with self.ledger.session() as session:
-                    tr.shard_finish(session, shard_id)
-                    session.flush()
-                    tr.maybe_finalize(session, batch_id, self.settings.heartbeat_timeout)
+                    tr.close_shards(
+                        session, [(shard_id, batch_id)], self.settings.heartbeat_timeout
+                    )
                 return
             except Exception:
                 log.warning("could not close shard %s; retrying in %.1fs", shard_id, delay)
@@ -229,7 +217,7 @@ class WorkerRuntime:
                 delay = min(delay * 2, 5.0)
 
     # ---- results (called from the engine thread) -------------------------------------------
-    def _on_done(self, batch_id, request_id, parsed, model, countdown, output) -> None:
+    def _on_done(self, batch_id, request_id, parsed, model, tally, output) -> None:
         self.metrics.observe_request(output)
         try:
             line = ob.build_output_line(parsed, output, model, self.decoder)
@@ -241,21 +229,21 @@ class WorkerRuntime:
                 line=parsed.line,
                 status_code=500,
             )
-            self._write(batch_id, request_id, line, countdown)
+            self._write(batch_id, request_id, line, tally)
             return
         completion = sum(len(c.token_ids) for c in output.outputs)
         self._write(
             batch_id,
             request_id,
             line,
-            countdown,
+            tally,
             ok=True,
             prompt_tokens=len(output.prompt_token_ids or []),
             completion_tokens=0 if parsed.drop_generation else completion,
             cached_tokens=int(getattr(output, "num_cached_tokens", 0) or 0),
         )
 
-    def _on_refused(self, batch_id, request_id, parsed, countdown, err: Exception) -> None:
+    def _on_refused(self, batch_id, request_id, parsed, tally, err: Exception) -> None:
         line = ob.build_error_line(
             parsed.custom_id,
             ob.classify_engine_error(str(err)),
@@ -263,9 +251,9 @@ class WorkerRuntime:
             line=parsed.line,
             param="body.messages" if parsed.is_chat else "body.prompt",
         )
-        self._write(batch_id, request_id, line, countdown)
+        self._write(batch_id, request_id, line, tally)
 
-    def _write(self, batch_id, request_id, line, countdown, ok=False, **tokens) -> None:
+    def _write(self, batch_id, request_id, line, tally, ok=False, **tokens) -> None:
         row = dict(
             request_id=request_id,
             batch_id=batch_id,
@@ -279,4 +267,4 @@ class WorkerRuntime:
             cached_tokens=0,
         )
         row.update(tokens)
-        self.writer.put(WriteItem(row, countdown.tick))
+        self.writer.put(WriteItem(row, tally))
