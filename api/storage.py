@@ -3,12 +3,72 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 from api.errors import APIError
 
 CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class UploadLimits:
+    max_bytes: int
+    max_lines: int
+    max_line_bytes: int
+
+
+class LineCounter:
+    """Counts an upload's bytes and lines as its chunks go by, and stops it (413) at the first
+    limit it breaks: a file too large, with too many lines, or with a line too long."""
+
+    def __init__(self, limits: UploadLimits) -> None:
+        self.limits = limits
+        self.size = self.lines = 0
+        self.line_bytes = 0  # bytes of the line not yet ended
+
+    def feed(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.size > self.limits.max_bytes:
+            raise _too_large(
+                "file_too_large",
+                f"the file is larger than the limit of {self.limits.max_bytes} bytes "
+                "(CONVEYOR_MAX_UPLOAD_BYTES)",
+            )
+        start = 0
+        while (end := chunk.find(b"\n", start)) != -1:
+            self._end_line(self.line_bytes + end - start)
+            start = end + 1
+        self.line_bytes += len(chunk) - start
+        self._check_line(self.line_bytes)
+
+    def close(self) -> None:
+        if self.line_bytes:  # a last line without a newline
+            self._end_line(self.line_bytes)
+
+    def _end_line(self, n: int) -> None:
+        self._check_line(n)
+        self.lines += 1
+        self.line_bytes = 0
+        if self.lines > self.limits.max_lines:
+            raise _too_large(
+                "too_many_lines",
+                f"a batch input file holds at most {self.limits.max_lines} lines "
+                "(CONVEYOR_MAX_BATCH_LINES); this file has more",
+            )
+
+    def _check_line(self, n: int) -> None:
+        if n > self.limits.max_line_bytes:
+            raise _too_large(
+                "line_too_large",
+                f"line {self.lines + 1} is longer than the limit of "
+                f"{self.limits.max_line_bytes} bytes (CONVEYOR_MAX_LINE_BYTES)",
+            )
+
+
+def _too_large(code: str, message: str) -> APIError:
+    return APIError(413, message, code=code, param="file")
 
 
 class FileStore:
@@ -19,32 +79,22 @@ class FileStore:
     def path(self, file_id: str) -> Path:
         return self.root / f"{file_id}.jsonl"
 
-    def save(self, file_id: str, source: BinaryIO, max_bytes: int) -> tuple[int, int]:
-        """Copy an upload in chunks; returns (bytes, lines). Raises 413 past `max_bytes`."""
+    def save(self, file_id: str, source: BinaryIO, limits: UploadLimits) -> tuple[int, int]:
+        """Copy an upload in chunks; returns (bytes, lines). Raises 413 as soon as the file
+        breaks a limit (size, lines, line size), so no batch can start from it."""
         target = self.path(file_id)
         tmp = target.with_suffix(".part")
-        size = lines = 0
-        last = b"\n"
+        counter = LineCounter(limits)
         try:
             with open(tmp, "wb") as out:
                 while chunk := source.read(CHUNK):
-                    size += len(chunk)
-                    if size > max_bytes:
-                        raise APIError(
-                            413,
-                            f"the file is larger than the limit of {max_bytes} bytes",
-                            code="file_too_large",
-                            param="file",
-                        )
-                    lines += chunk.count(b"\n")
-                    last = chunk[-1:]
+                    counter.feed(chunk)
                     out.write(chunk)
+            counter.close()
             os.replace(tmp, target)
         finally:
             tmp.unlink(missing_ok=True)
-        if size and last != b"\n":
-            lines += 1
-        return size, lines
+        return counter.size, counter.lines
 
     def delete(self, file_id: str) -> None:
         self.path(file_id).unlink(missing_ok=True)

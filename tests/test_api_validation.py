@@ -300,8 +300,8 @@ def test_blank_lines_count_in_line_numbers(api: str):
 
 
 def test_line_of_10_mb(api: str, tmp_path: Path):
-    """A 10 MB line is over the default 8 MiB limit: only that line is reported, with its
-    number, and the lines around it are still read (a later mistake is found too)."""
+    """A 10 MB line is over the default 8 MiB limit: the upload is refused (413) naming that
+    line, before any batch can start from it, and nothing is stored."""
     big = chat("big")
     big["body"]["messages"][0]["content"] = "x" * (10 * 1024 * 1024)
     path = write_jsonl(
@@ -310,18 +310,12 @@ def test_line_of_10_mb(api: str, tmp_path: Path):
     assert path.stat().st_size > 10 * 1024 * 1024
     with open(path, "rb") as f:
         r = no_5xx(httpx.post(f"{api}/v1/files", files={"file": f}, data={"purpose": "batch"}))
-    assert r.status_code == 200, r.text
-    assert r.json()["bytes"] == path.stat().st_size
-    r = create_batch(api, r.json()["id"])
-    assert r.status_code == 200, r.text
-    assert failed_errors(r.json()) == [("line_too_large", 3)]
-
-    # the same big line plus a mistake after it: both listed, in order
-    path = write_jsonl(tmp_path / "big2.jsonl", [chat("a"), big, chat("c"), chat("a")])
-    with open(path, "rb") as f:
-        r = no_5xx(httpx.post(f"{api}/v1/files", files={"file": f}, data={"purpose": "batch"}))
-    r = create_batch(api, r.json()["id"])
-    assert failed_errors(r.json()) == [("line_too_large", 2), ("duplicate_custom_id", 4)]
+    assert r.status_code == 413, r.text
+    error = r.json()["error"]
+    assert error["code"] == "line_too_large" and error["param"] == "file"
+    assert "line 3 " in error["message"] and str(8 * 1024 * 1024) in error["message"]
+    stored = httpx.get(f"{api}/v1/files").json()["data"]
+    assert not any(f["filename"] == "big.jsonl" for f in stored)
 
 
 def test_several_errors_are_all_listed(api: str):
@@ -701,15 +695,16 @@ def test_large_upload_streams(api: str, tmp_path: Path):
     assert batch["request_counts"] == {"total": n, "completed": 0, "failed": 0}
     assert time.time() - start < 60
 
-    # one line more is over the limit: the batch fails, naming the line
+    # one line more is over the limit: the upload is refused, naming the limit
     with open(path, "a") as f:
         f.write(json.dumps(chat("one-more")) + "\n")
     with open(path, "rb") as f:
         r = no_5xx(
             httpx.post(f"{api}/v1/files", files={"file": f}, data={"purpose": "batch"}, timeout=120)
         )
-    r = create_batch(api, r.json()["id"])
-    assert failed_errors(r.json()) == [("too_many_requests", n + 1)]
+    assert r.status_code == 413, r.text
+    error = r.json()["error"]
+    assert error["code"] == "too_many_lines" and f"at most {n} lines" in error["message"]
 
 
 # ---- listing on an empty ledger --------------------------------------------------------------

@@ -26,6 +26,8 @@ def test_limits(stack: Stack, chat_model: Path, tmp_path: Path) -> None:
         CONVEYOR_MAX_TOKENS="8",
         CONVEYOR_MAX_BATCHES_IN_FLIGHT="2",
         CONVEYOR_MAX_UPLOAD_BYTES="4096",
+        CONVEYOR_MAX_BATCH_LINES="5",
+        CONVEYOR_MAX_LINE_BYTES="1000",
     )
     api = stack.start_api()
 
@@ -35,6 +37,19 @@ def test_limits(stack: Stack, chat_model: Path, tmp_path: Path) -> None:
     r = upload(api, big)
     assert r.status_code == 413, r.text
     assert r.json()["error"]["code"] == "file_too_large" and "4096" in r.json()["error"]["message"]
+    assert httpx.get(f"{api}/v1/files").json()["data"] == []
+
+    # lines per batch and line size: 413 at upload, naming the limit and the line
+    r = upload(api, write_jsonl(tmp_path / "many.jsonl", batch_lines(6)))
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["code"] == "too_many_lines"
+    assert "at most 5 lines" in r.json()["error"]["message"]
+    long = batch_lines(3)
+    long[1]["body"]["messages"][-1]["content"] = "x" * 1000
+    r = upload(api, write_jsonl(tmp_path / "long.jsonl", long))
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["code"] == "line_too_large"
+    assert "line 2 " in r.json()["error"]["message"] and "1000" in r.json()["error"]["message"]
     assert httpx.get(f"{api}/v1/files").json()["data"] == []
 
     # batches in flight per project: the third unfinished one is a 429 until one ends

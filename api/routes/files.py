@@ -14,6 +14,7 @@ from api import schemas
 from api.deps import AppState, ProjectDep, SessionDep, StateDep
 from api.errors import APIError
 from api.services import get_file
+from api.storage import UploadLimits
 from ledger.ids import new_file_id
 from ledger.models import FileRow, ResultRow
 
@@ -51,7 +52,12 @@ def upload_file(
             param="file",
         )
     file_id = new_file_id()
-    size, lines = state.files.save(file_id, file.file, state.settings.max_upload_bytes)
+    limits = UploadLimits(
+        state.settings.max_upload_bytes,
+        state.settings.max_batch_lines,
+        state.settings.max_line_bytes,
+    )
+    size, lines = state.files.save(file_id, file.file, limits)
     if size == 0:
         state.files.delete(file_id)
         raise APIError(400, "the file is empty", code="empty_file", param="file")
