@@ -26,7 +26,7 @@ def make_engine(url: str, pre_ping: bool = True) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=pre_ping, pool_size=10, max_overflow=20)
+    return create_engine(url, pool_pre_ping=pre_ping, pool_size=40, max_overflow=10)
 
 
 class Ledger:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, bindparam, case, func, select, update
+from sqlalchemy import and_, bindparam, case, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from conveyor import openai_batch as ob
@@ -496,30 +496,42 @@ def batches_with_status(session: Session, *statuses: str) -> list[str]:
 def shards_to_enqueue(
     session: Session,
     batch_id: str,
-    live_task_ids: set[str] | None,
+    live_task_ids: Callable[[], set[str] | None],
     grace: float,
     heartbeat_timeout: float,
 ) -> list[ShardRow]:
     """Shards of an in-progress batch that no broker message and no live worker carries.
 
-    A running shard is carried while its heartbeat is fresh. A queued one is carried while its
-    message is in the broker (`live_task_ids`: waiting, or delivered moments ago) or was sent
-    less than `grace` seconds ago; with `live_task_ids` None (a broker we cannot look into)
-    a queued shard counts as carried.
+    A running shard is carried while its heartbeat is fresh. A queued one is carried while it
+    was sent less than `grace` seconds ago or its message is in the broker (`live_task_ids()`:
+    waiting, or delivered moments ago; None for a broker we cannot look into, where a queued
+    shard counts as carried). The database picks the shards in doubt, so the broker is asked
+    (an expensive look at every message) only when there are some.
     """
     now = time.time()
-    shards = session.execute(
-        select(ShardRow).where(ShardRow.batch_id == batch_id, ShardRow.status != "done")
+    in_doubt = session.execute(
+        select(ShardRow).where(
+            ShardRow.batch_id == batch_id,
+            or_(
+                and_(
+                    ShardRow.status == "running",
+                    or_(
+                        ShardRow.heartbeat_at.is_(None),
+                        ShardRow.heartbeat_at < now - heartbeat_timeout,
+                    ),
+                ),
+                and_(
+                    ShardRow.status == "queued",
+                    or_(ShardRow.enqueued_at.is_(None), ShardRow.enqueued_at < now - grace),
+                ),
+            ),
+        )
     ).scalars()
     lost = []
-    for shard in shards:
-        if shard.status == "running":
-            alive = shard.heartbeat_at is not None and shard.heartbeat_at >= now - heartbeat_timeout
-        elif shard.enqueued_at is None:  # committed but never sent
-            alive = False
-        else:
-            recent = shard.enqueued_at >= now - grace
-            alive = recent or live_task_ids is None or shard.task_id in live_task_ids
-        if not alive:
-            lost.append(shard)
+    for shard in in_doubt:
+        if shard.status == "queued" and shard.enqueued_at is not None:
+            live = live_task_ids()
+            if live is None or shard.task_id in live:
+                continue
+        lost.append(shard)
     return lost

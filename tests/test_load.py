@@ -15,7 +15,11 @@ from load import run_load  # noqa: E402
 
 
 def test_fifty_clients_poll_a_10k_batch_without_errors(stack: Stack, tmp_path: Path) -> None:
-    stack.env.update(CONVEYOR_SHARD_SIZE="64", CONVEYOR_AUTH="required")
+    # the echo engine at a model's pace (0.25 s per step of up to 256 requests): the batch runs
+    # about 10 s, past the clients' 5 s ramp-up
+    stack.env.update(
+        CONVEYOR_SHARD_SIZE="64", CONVEYOR_AUTH="required", CONVEYOR_ECHO_STEP_SECONDS="0.25"
+    )
     api = stack.start_api()
     stack.start_worker("w1", "echo", served="")
     key = stack_key(stack)

@@ -1,11 +1,15 @@
-"""A null engine that answers every request at once with its own prompt.
+"""A null engine that answers every request with its own prompt.
 
 `conveyor worker --model echo` serves it: it measures everything around the engine (API,
-broker, ledger, writer) without spending time on a model.
+broker, ledger, writer) without spending time on a model. By default it answers everything at
+once. With CONVEYOR_ECHO_STEP_SECONDS set, each step instead waits that long without using the
+CPU, as an engine waits on its GPU, and answers at most `max_num_seqs` requests: a stand-in for
+a real model's pace on other hardware.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -33,10 +37,11 @@ class EchoTokenizer:
 
 
 class EchoEngine:
-    def __init__(self) -> None:
+    def __init__(self, step_seconds: float = 0.0, max_num_seqs: int = 256) -> None:
         self.tokenizer = EchoTokenizer()
         self.pending: deque[RequestOutput] = deque()
         self.generated = 0
+        self.step_seconds, self.max_num_seqs = step_seconds, max_num_seqs
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         return "\n".join(f"{m.get('role')}: {m.get('content') or ''}" for m in messages)
@@ -51,9 +56,12 @@ class EchoEngine:
         )
 
     def step(self) -> list[RequestOutput]:
-        done = list(self.pending)
-        self.pending.clear()
-        return done
+        if not self.step_seconds:
+            done = list(self.pending)
+            self.pending.clear()
+            return done
+        time.sleep(self.step_seconds)
+        return [self.pending.popleft() for _ in range(min(self.max_num_seqs, len(self.pending)))]
 
     def abort(self, request_id: str) -> None:
         self.pending = deque(o for o in self.pending if o.request_id != request_id)

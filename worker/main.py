@@ -22,7 +22,8 @@ def build_engine(model: str, engine_kwargs: dict[str, Any]) -> tuple[Any, Any]:
     from engine import LLM, SamplingParams
 
     if model == ECHO_MODEL:
-        return EchoEngine(), SamplingParams
+        step = float(os.environ.get("CONVEYOR_ECHO_STEP_SECONDS") or 0)
+        return EchoEngine(step, engine_kwargs.get("max_num_seqs") or 256), SamplingParams
     return LLM(model, **engine_kwargs), SamplingParams
 
 

@@ -10,6 +10,7 @@ API. Re-sending is safe: a shard skips requests that already have results.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from dataclasses import dataclass
@@ -52,7 +53,11 @@ def _reconcile(ledger: Ledger, app: Celery, settings: Settings) -> ReconcileRepo
         workers = live_workers(session, settings.heartbeat_timeout)
     grace = max(5.0, settings.heartbeat_timeout)
     names = {w for names in workers.values() for w in names}
-    live = live_task_ids(settings.broker_url, names, delivered_within=grace)
+
+    @functools.cache
+    def live() -> set[str] | None:  # read the broker once, and only if a shard is in doubt
+        return live_task_ids(settings.broker_url, names, delivered_within=grace)
+
     sends = []
     with ledger.session() as session:
         for batch_id in tr.batches_with_status(session, "in_progress"):
