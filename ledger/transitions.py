@@ -157,28 +157,23 @@ def counts(batch: BatchRow) -> Counts:
 # One statement whose text never changes, with one array per column sent in binary: no
 # multi-row VALUES list to build and parse, and no per-element quoting of the JSON outputs
 # (text-format arrays escape every quote; this is over 10x cheaper for the worker).
-_PG_INSERT_RESULTS = """
-    INSERT INTO results (request_id, batch_id, line_id, ok, output, worker, created_at,
-                         prompt_tokens, completion_tokens, cached_tokens)
-    SELECT * FROM unnest(
-        %(request_id)b::bigint[], %(batch_id)b::varchar[], %(line_id)b::varchar[],
-        %(ok)b::boolean[], %(output)b::text[], %(worker)b::varchar[],
-        %(created_at)b::double precision[], %(prompt_tokens)b::integer[],
-        %(completion_tokens)b::integer[], %(cached_tokens)b::integer[])
-    ON CONFLICT (request_id) DO NOTHING
-    RETURNING batch_id, ok, prompt_tokens, completion_tokens, cached_tokens
-"""
-_RESULT_COLUMNS = (
-    "request_id",
-    "batch_id",
-    "line_id",
-    "ok",
-    "output",
-    "worker",
-    "created_at",
-    "prompt_tokens",
-    "completion_tokens",
-    "cached_tokens",
+_RESULT_PG_TYPES = {
+    "request_id": "bigint",
+    "batch_id": "varchar",
+    "line_id": "varchar",
+    "ok": "boolean",
+    "output": "text",
+    "worker": "varchar",
+    "created_at": "double precision",
+    "prompt_tokens": "integer",
+    "completion_tokens": "integer",
+    "cached_tokens": "integer",
+}
+_PG_INSERT_RESULTS = (
+    f"INSERT INTO results ({', '.join(_RESULT_PG_TYPES)}) SELECT * FROM unnest("
+    + ", ".join(f"%({c})b::{t}[]" for c, t in _RESULT_PG_TYPES.items())
+    + ") ON CONFLICT (request_id) DO NOTHING"
+    " RETURNING batch_id, ok, prompt_tokens, completion_tokens, cached_tokens"
 )
 _RESULT_DEFAULTS = {"worker": None, "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
 
@@ -187,7 +182,7 @@ def _insert_results(session: Session, rows: list[dict[str, Any]]) -> list[Any]:
     """Insert result rows, skipping requests that have one; returns the inserted rows'
     (batch_id, ok, prompt_tokens, completion_tokens, cached_tokens)."""
     if session.get_bind().dialect.name == "postgresql":
-        arrays = {c: [r.get(c, _RESULT_DEFAULTS.get(c)) for r in rows] for c in _RESULT_COLUMNS}
+        arrays = {c: [r.get(c, _RESULT_DEFAULTS.get(c)) for r in rows] for c in _RESULT_PG_TYPES}
         # psycopg's own cursor, on the session's connection and transaction: binary
         # parameters (%b) are not something SQLAlchemy's text() can ask for
         with session.connection().connection.cursor() as cursor:
@@ -315,18 +310,24 @@ def _write_files(session: Session, batch: BatchRow) -> None:
 
 def maybe_finalize(session: Session, batch_id: str, heartbeat_timeout: float) -> str | None:
     """Move a batch on if its work is over; returns the new status, or None if unchanged."""
-    conn = session.connection()
-    head = conn.execute(_LOCK_BATCH_HEAD, {"batch_id": batch_id}).first()
+    head = session.connection().execute(_LOCK_BATCH_HEAD, {"batch_id": batch_id}).first()
     if head is None:
         return None
+    return _move_on(session, batch_id, head, heartbeat_timeout)
+
+
+def _move_on(session: Session, batch_id: str, head: Any, heartbeat_timeout: float) -> str | None:
+    """`maybe_finalize` for a batch this transaction has locked, given its (status,
+    expires_at)."""
+    conn = session.connection()
     now = time.time()
     status, expires_at = head
     # cheap test first (shards are few; every finished shard asks): a shard still open
-    open_shard = {"batch_id": batch_id}
+    of_batch = {"batch_id": batch_id}
     if (
         status == "in_progress"
         and (expires_at is None or now < expires_at)
-        and conn.execute(_OPEN_SHARD, open_shard).first() is not None
+        and conn.execute(_OPEN_SHARD, of_batch).first() is not None
     ):
         return None
     batch = lock_batch(session, batch_id)
@@ -341,7 +342,7 @@ def maybe_finalize(session: Session, batch_id: str, heartbeat_timeout: float) ->
             _write_files(session, batch)
             _stop_shards(session, batch.id)
             return batch.status
-        if conn.execute(_OPEN_SHARD, open_shard).first() is not None:
+        if conn.execute(_OPEN_SHARD, of_batch).first() is not None:
             return None
         pending = session.execute(
             select(func.count(RequestRow.id))
@@ -469,12 +470,8 @@ def close_shards(
         running = head is not None and head.status == "in_progress"
         for shard_id in by_batch[batch_id]:
             conn.execute(_CLOSE_SHARD, {"shard_id": shard_id, "batch_running": running})
-        if head is None:
-            continue
-        expired = head.expires_at is not None and time.time() >= head.expires_at
-        if running and not expired and conn.execute(_OPEN_SHARD, {"batch_id": batch_id}).first():
-            continue
-        maybe_finalize(session, batch_id, heartbeat_timeout)
+        if head is not None:
+            _move_on(session, batch_id, head, heartbeat_timeout)
 
 
 def mark_enqueued(session: Session, shards: Iterable[ShardRow]) -> list[Send]:
