@@ -57,7 +57,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q, k, v = self.qkv_proj.forward_shards(x)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -77,7 +77,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        gate, up = self.gate_up_proj.forward_shards(x)
         return self.down_proj(F.silu(gate) * up)
 
 

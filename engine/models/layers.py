@@ -41,6 +41,22 @@ class PackedLinear(nn.Linear):
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return out.split(list(self.shards.values()), dim=-1)
 
+    def forward_shards(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each shard's output. On the CPU a wide packed product runs as one product per shard:
+        MKL does [4096, 512] x [512, 2816] at ~165 GFLOP/s and each 1408-wide half at ~200."""
+        if x.device.type != "cpu" or self.out_features <= CPU_PACKED_MAX_OUT:
+            return self.split(self(x))
+        outs, start = [], 0
+        for size in self.shards.values():
+            rows = slice(start, start + size)
+            bias = None if self.bias is None else self.bias[rows]
+            outs.append(F.linear(x, self.weight[rows], bias))
+            start += size
+        return tuple(outs)
+
+
+CPU_PACKED_MAX_OUT = 2048
+
 
 class RotaryEmbedding(nn.Module):
     """RoPE with a precomputed cos/sin table, in the half-rotation layout of HF checkpoints."""
