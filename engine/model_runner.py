@@ -9,6 +9,7 @@ import torch
 from engine.models import DecoderForCausalLM
 from engine.scheduler import ScheduledSeq
 from kernels import AttentionBackend, AttentionMetadata
+from kernels.cascade import plan_cascade
 
 
 @dataclass
@@ -31,6 +32,8 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.device = device
+        # shared prefixes read once per step for all their sequences (the CPU backends)
+        self.cascade = getattr(backend, "cascade", False) and device.type == "cpu"
         shape = (num_blocks, model.num_kv_heads, block_size, model.head_dim)
         self.kv_caches = [
             (
@@ -89,21 +92,11 @@ class ModelRunner:
                     prompt_rows[seq.seq_id] = (start, row, row + end - start)
 
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode_tokens=len(decode_lens),
-            decode_block_tables=_pad(decode_tables, dev),
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=dev),
-            prefill_block_tables=_pad(prefill_tables, dev),
-            prefill_query_start=query_start,
-            prefill_context_lens=prefill_lens,
-            prefill_query_start_tensor=torch.tensor(query_start, dtype=torch.long, device=dev),
-            prefill_context_lens_tensor=torch.tensor(prefill_lens, dtype=torch.long, device=dev),
-            decode_max_context_len=max(decode_lens, default=0),
-            prefill_max_query_len=max(
-                (b - a for a, b in zip(query_start, query_start[1:], strict=False)), default=0
-            ),
-        )
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
+        lists = (decode_tables, decode_lens, prefill_tables, prefill_lens, query_start)
+        meta = AttentionMetadata.build(slot_mapping, *lists, dev)
+        if self.cascade:
+            meta.cascade = plan_cascade(slot_mapping, *lists, bs, dev)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
@@ -117,9 +110,3 @@ class ModelRunner:
             for seq_id, (first, a, b) in prompt_rows.items()
         }
         return ForwardResult(sample_logits, prompt_logits)
-
-
-def _pad(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max((len(t) for t in tables), default=0)
-    padded = [t + [0] * (width - len(t)) for t in tables]
-    return torch.tensor(padded, dtype=torch.long, device=device).view(len(tables), width)

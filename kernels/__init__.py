@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from kernels import torch_paged
+from kernels import cascade, torch_paged
 from kernels.metadata import AttentionMetadata
 
 BACKENDS = ("auto", "torch", "compiled", "triton")
@@ -33,10 +33,22 @@ class AttentionBackend(Protocol):
 
 class TorchPagedAttention:
     name = "torch"
+    cascade = True  # reads a prefix shared by many sequences once for all (kernels.cascade)
     decode_attention = staticmethod(torch_paged.decode_attention)
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):  # noqa: D102
         torch_paged.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        plan = meta.cascade
+        if plan is None:
+            return self._attend(query, key, value, k_cache, v_cache, meta, scale, False)[0]
+        out, lse = self._attend(query, key, value, k_cache, v_cache, plan.suffix, scale, True)
+        for prefix in plan.prefixes:
+            cascade.merge_prefix(out, lse, query, k_cache, v_cache, prefix, scale)
+        return out
+
+    def _attend(self, query, key, value, k_cache, v_cache, meta, scale, return_lse):
+        """Attention of every query over the cache `meta` describes, and with `return_lse`
+        the log-sum-exp of its scores (else None)."""
         d = meta.num_decode_tokens
         parts = []
         if d:
@@ -48,6 +60,7 @@ class TorchPagedAttention:
                     meta.decode_block_tables,
                     meta.decode_context_lens,
                     scale,
+                    return_lse=return_lse,
                 )
             )
         if meta.num_prefills:
@@ -62,9 +75,14 @@ class TorchPagedAttention:
                     scale,
                     key[d:],  # a prompt with nothing cached attends to these, no gather
                     value[d:],
+                    return_lse=return_lse,
                 )
             )
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        if not return_lse:
+            return (parts[0] if len(parts) == 1 else torch.cat(parts)), None
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 class CompiledPagedAttention(TorchPagedAttention):

@@ -45,14 +45,16 @@ def _decode_core(query, k_cache, v_cache, tables, context_lens, scale: float):
     scores = torch.where(valid[:, None, None], scores, float("-inf"))
     top = scores.amax(dim=(3, 4), keepdim=True)
     probs = torch.exp(scores - top)
-    probs = probs / probs.sum(dim=(3, 4), keepdim=True)
+    total = probs.sum(dim=(3, 4), keepdim=True)
+    probs = probs / total
+    lse = (top + torch.log(total)).view(batch, heads)
     parts = []
     for g in range(group):
         p = probs[:, :, g, :, :, None]  # [B, kv, W, bs, 1]
         for c in range(0, head_dim, PV_CHUNK):
             parts.append((p * v[..., c : c + PV_CHUNK].float()).sum(dim=(2, 3)))
     out = torch.cat(parts, -1)  # [B, kv, g * d]
-    return out.view(batch, heads, head_dim).to(query.dtype)
+    return out.view(batch, heads, head_dim).to(query.dtype), lse
 
 
 _compiled = torch.compile(_decode_core, dynamic=False)
@@ -78,10 +80,12 @@ def decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks]
     context_lens: torch.Tensor,  # [B], each >= 1
     scale: float,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same inputs and results as `torch_paged.decode_attention`."""
     if query.shape[0] == 0:
-        return torch.empty_like(query)
+        out = torch.empty_like(query)
+        return (out, query.new_empty(query.shape[:2], dtype=torch.float32)) if return_lse else out
     # one set of guards whatever the caller's grad mode or index dtypes: no recompiles
     with torch.inference_mode():
         block_size = k_cache.shape[2]
@@ -92,7 +96,8 @@ def decode_attention(
         tables = torch.gather(block_tables[:, :width], 1, last).to(torch.int64).contiguous()
         lens = context_lens.to(torch.int64, copy=True)
         _mark_dynamic(query, k_cache, v_cache, tables, lens)
-        return _compiled(query, k_cache, v_cache, tables, lens, float(scale))
+        out, lse = _compiled(query, k_cache, v_cache, tables, lens, float(scale))
+    return (out, lse) if return_lse else out
 
 
 def compiler_missing() -> str | None:

@@ -26,7 +26,60 @@ class AttentionMetadata:
     prefill_context_lens_tensor: torch.Tensor | None = None
     decode_max_context_len: int = 0
     prefill_max_query_len: int = 0
+    # blocks that several sequences share at the start of their tables, to be read once for all
+    # of them (kernels.cascade); None when nothing is worth it or the backend does not use it
+    cascade: CascadePlan | None = None
 
     @property
     def num_prefills(self) -> int:
         return len(self.prefill_context_lens)
+
+    @classmethod
+    def build(
+        cls,
+        slot_mapping: torch.Tensor,
+        decode_tables: list[list[int]],
+        decode_lens: list[int],
+        prefill_tables: list[list[int]],
+        prefill_lens: list[int],
+        query_start: list[int],
+        device: torch.device,
+    ) -> AttentionMetadata:
+        return cls(
+            slot_mapping=slot_mapping,
+            num_decode_tokens=len(decode_lens),
+            decode_block_tables=pad_tables(decode_tables, device),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=device),
+            prefill_block_tables=pad_tables(prefill_tables, device),
+            prefill_query_start=query_start,
+            prefill_context_lens=prefill_lens,
+            prefill_query_start_tensor=torch.tensor(query_start, dtype=torch.long, device=device),
+            prefill_context_lens_tensor=torch.tensor(prefill_lens, dtype=torch.long, device=device),
+            decode_max_context_len=max(decode_lens, default=0),
+            prefill_max_query_len=max(
+                (b - a for a, b in zip(query_start, query_start[1:], strict=False)), default=0
+            ),
+        )
+
+
+@dataclass
+class SharedPrefix:
+    """Blocks at the start of several sequences' tables that all their queries see in full."""
+
+    block_ids: torch.Tensor  # [num_blocks]
+    rows: torch.Tensor  # [R] the batch rows (query tokens) of those sequences
+
+
+@dataclass
+class CascadePlan:
+    prefixes: list[SharedPrefix]
+    # the same batch with every shared prefix cut from its sequences' tables and lengths: the
+    # attention over what each sequence has of its own
+    suffix: AttentionMetadata
+
+
+def pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Block tables as one [len(tables), longest] tensor, padded with block 0."""
+    width = max((len(t) for t in tables), default=0)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return torch.tensor(padded, dtype=torch.long, device=device).view(len(tables), width)

@@ -48,7 +48,10 @@ def decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks]
     context_lens: torch.Tensor,  # [B]
     scale: float,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each query over its sequence's cache; with `return_lse` also the
+    log-sum-exp of its scaled scores, [B, heads] float32 (for merging partial attentions)."""
     batch, heads, head_dim = query.shape
     num_blocks, kv_heads, block_size = k_cache.shape[:3]
     group = heads // kv_heads
@@ -59,6 +62,7 @@ def decode_attention(
     k_blocks, v_blocks = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)
     block_bytes = k_blocks.shape[1] * k_cache.element_size()
     out = torch.empty((batch, kv_heads, group, head_dim), dtype=query.dtype, device=query.device)
+    lse = torch.empty((batch, kv_heads, group), dtype=torch.float32, device=query.device)
 
     first = 0
     while first < batch:
@@ -73,13 +77,19 @@ def decode_attention(
         scores = scores.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, group, width * block_size)
         pad = torch.arange(width * block_size, device=query.device) >= lens[first:last, None]
         scores = scores.float().mul_(scale).masked_fill_(pad[:, None, None, :], float("-inf"))
+        if return_lse:
+            lse[first:last] = torch.logsumexp(scores, dim=-1)
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         probs = probs.view(rows, kv_heads, group, width, block_size).permute(0, 3, 1, 2, 4)
         out[first:last] = torch.matmul(probs, v).sum(dim=1)  # sum the blocks' partial outputs
         first = last
     result = torch.empty_like(query)
     result[order] = out.view(batch, heads, head_dim)
-    return result
+    if not return_lse:
+        return result
+    result_lse = torch.empty_like(lse.view(batch, heads))
+    result_lse[order] = lse.view(batch, heads)
+    return result, result_lse
 
 
 def prefill_attention(
@@ -92,18 +102,27 @@ def prefill_attention(
     scale: float,
     key: torch.Tensor | None = None,  # [T, kv_heads, head_dim]: this step's keys, if at hand
     value: torch.Tensor | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Each chunk's queries over their sequence's cache, causally; with `return_lse` also the
+    log-sum-exp of each query's scaled scores, [T, heads] float32 (CPU only)."""
     out = torch.empty_like(query)
+    lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
     for i, context_len in enumerate(context_lens):
         start, end = query_start[i], query_start[i + 1]
-        if key is not None and value is not None and end - start == context_len:
+        n = end - start
+        if key is not None and value is not None and n == context_len:
             # nothing cached before this chunk: attend to its own keys, plain causal
             q = query[start:end].transpose(0, 1)  # [heads, q_len, d]
             k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
-            o = _sdpa(q, k, v, None, scale)
+            group = q.shape[0] // k.shape[0]
+            if group > 1:  # the fused CPU kernel wants K/V per query head (see _sdpa)
+                k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+            o, o_lse = _sdpa(q, k, v, None, scale, return_lse)
             out[start:end] = o.transpose(0, 1)
+            if return_lse:
+                lse[start:end] = o_lse.transpose(0, 1)
             continue
-        n = end - start
         k = gather_context(k_cache, block_tables[i], context_len)  # [kv_heads, context, d]
         v = gather_context(v_cache, block_tables[i], context_len)
         kv_heads, head_dim = k.shape[0], k.shape[2]
@@ -115,28 +134,43 @@ def prefill_attention(
         q = q.reshape(kv_heads, n * group, head_dim)
         q_pos = torch.arange(context_len - n, context_len, device=query.device)
         mask = torch.arange(context_len, device=query.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(
-            q[None], k[None], v[None], attn_mask=mask.repeat_interleave(group, 0), scale=scale
-        )[0]
+        o, o_lse = _sdpa(q, k, v, mask.repeat_interleave(group, 0), scale, return_lse)
         out[start:end] = (
             o.view(kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, -1, head_dim)
         )
-    return out
+        if return_lse:
+            lse[start:end] = o_lse.view(kv_heads, n, group).transpose(0, 1).reshape(n, -1)
+    return (out, lse) if return_lse else out
 
 
-def _sdpa(q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Causal (mask None) or masked attention; q has a multiple of k's heads (GQA).
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    return_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal (mask None) or masked attention of [heads, n, d] inputs, heads equal, and the
+    log-sum-exp when asked for.
 
-    K/V heads are repeated and a batch dimension added because that is the form torch's fused
-    CPU attention kernel takes; `enable_gqa` or 3-D inputs fall back to a far slower path.
+    A batch dimension is added because that is the form torch's fused CPU attention kernel
+    takes; `enable_gqa` or 3-D inputs fall back to a far slower path. The log-sum-exp comes
+    from that same kernel, called directly (it wants an additive mask in the query's dtype).
     """
-    group = q.shape[0] // k.shape[0]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
-    out = F.scaled_dot_product_attention(
-        q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale
+    if not return_lse:
+        out = F.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale
+        )
+        return out[0], None
+    additive = None
+    if mask is not None:
+        additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+        additive.masked_fill_(~mask, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q[None], k[None], v[None], is_causal=mask is None, attn_mask=additive, scale=scale
     )
-    return out[0]
+    return out[0], lse[0]
 
 
 def dense_decode_attention(

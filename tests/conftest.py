@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import functools
 import os
+from unittest import mock
 
 # Triton reads this when it is first imported, and torch.compile (the compiled CPU attention)
 # imports Triton early: set it before any test runs so the Triton kernels' tests run on the
@@ -75,6 +76,7 @@ def assert_greedy_matches_hf_through(path: Path, attention_backend: str, seed: i
     """The engine's greedy equality with transformers through one attention backend: mixed
     lengths, long prompts split across steps, and a prompt whose prefix comes from the cache."""
     from engine import LLM, SamplingParams
+    from kernels.cascade import plan_cascade
 
     prompts = random_prompts(6, 1, 90, seed=seed)
     max_tokens = [6, 3, 8, 5, 1, 7]
@@ -91,7 +93,25 @@ def assert_greedy_matches_hf_through(path: Path, attention_backend: str, seed: i
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, m, out in zip(prompts, max_tokens, outputs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, m)
-    shared = prompts[1][:40] + prompts[0][:10]  # prompt 1 is 90 tokens long
-    (again,) = llm.generate([shared], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
-    assert again.num_cached_tokens == 40
-    assert again.outputs[0].token_ids == hf_greedy(path, shared, 6)
+
+    # prompt 1 (90 tokens) left its blocks in the cache; these prompts start with its first
+    # five and take them from there; the CPU backends read them once for all four (cascade)
+    prefix = prompts[1][:40]
+    shared = [prefix + tail for tail in random_prompts(4, 1, 20, seed=seed + 1)]
+    plans = []
+
+    def recording_plan(*args):
+        plans.append(plan := plan_cascade(*args))
+        return plan
+
+    with mock.patch("engine.model_runner.plan_cascade", recording_plan):
+        again = llm.generate(shared, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    for prompt, out in zip(shared, again, strict=True):
+        assert out.num_cached_tokens == 40
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, 6)
+    used = [plan for plan in plans if plan is not None]
+    if attention_backend == "triton":
+        assert not used  # its kernels read the pages in place; no cascade there
+    else:
+        assert any(plan.suffix.num_prefills for plan in used)
+        assert any(plan.suffix.num_decode_tokens for plan in used)
