@@ -53,3 +53,24 @@ def test_sigterm_drains_a_download_in_flight(stack: Stack, tmp_path: Path) -> No
     assert proc.wait(30) == -signal.SIGTERM, stack.log("api")
     log = stack.log("api")
     assert "Waiting for connections to close" in log and "Application shutdown complete" in log
+
+
+def test_startup_objects_are_kept_out_of_full_collections(tmp_path: Path) -> None:
+    """What the app loads at start is frozen out of the collector's full passes while it runs
+    (they would stall every request in flight), and handed back when it stops."""
+    import gc
+
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from conveyor.settings import Settings
+    from ledger.migrate import upgrade
+
+    db = f"sqlite:///{tmp_path / 'ledger.db'}"
+    upgrade(db)
+    settings = Settings(data_dir=tmp_path, database_url=db, redis_url="redis://127.0.0.1:1/0")
+    assert gc.get_freeze_count() == 0
+    with TestClient(create_app(settings, reconcile=False)) as client:
+        assert gc.get_freeze_count() > 10_000
+        assert client.get("/v1/batches").status_code == 200
+    assert gc.get_freeze_count() == 0
