@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -33,9 +33,22 @@ async def get_state(request: Request) -> AppState:
     return request.app.state.conveyor
 
 
-def get_session(state: Annotated[AppState, Depends(get_state)]) -> Iterator[Session]:
-    with state.ledger.session() as session:
+async def get_session(state: Annotated[AppState, Depends(get_state)]) -> AsyncIterator[Session]:
+    """A transaction for the request: committed after the route returns, rolled back if it
+    raises. Opening a Session does no I/O (it connects at its first query, in the route's
+    thread), so only the commit takes a hop through the thread pool, not the opening too."""
+    session = state.ledger.sessions()
+    try:
         yield session
+    except BaseException:
+        await run_in_threadpool(session.close)  # closing rolls the transaction back
+        raise
+    await run_in_threadpool(_commit_and_close, session)
+
+
+def _commit_and_close(session: Session) -> None:
+    with session:
+        session.commit()
 
 
 StateDep = Annotated[AppState, Depends(get_state)]
