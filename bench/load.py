@@ -158,6 +158,14 @@ def main(argv: list[str] | None = None) -> dict:
         redis_server = LocalRedis(root)
         stack = Stack(env=stack_env(db_url, redis_server.url, root), root=root)
         stack.env["CONVEYOR_SHARD_SIZE"] = "64"
+        # the deployment's heartbeat and reconciler timing, not the tests' quick one: a
+        # reconciler round every second would load the API far more than a deployment's does
+        for quick in (
+            "CONVEYOR_HEARTBEAT_INTERVAL",
+            "CONVEYOR_HEARTBEAT_TIMEOUT",
+            "CONVEYOR_RECONCILE_INTERVAL",
+        ):
+            stack.env.pop(quick)
         stack.env["CONVEYOR_ECHO_STEP_SECONDS"] = str(args.echo_step_seconds)
         try:
             upgrade(db_url)

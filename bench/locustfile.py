@@ -10,19 +10,19 @@ from __future__ import annotations
 import os
 
 import gevent
-from locust import HttpUser, between, task
+from locust import FastHttpUser, between, task
 
 BATCH = os.environ["CONVEYOR_LOAD_BATCH"]
 KEY = os.environ.get("CONVEYOR_API_KEY")
 FINISHED = {"completed", "failed", "expired", "cancelled"}
 
 
-class Poller(HttpUser):
-    wait_time = between(0.2, 0.5)
+class Poller(FastHttpUser):
+    """geventhttpclient rather than requests: the clients share the machine with the API, and
+    a lighter client leaves it more of the CPU and adds less of its own time to each latency."""
 
-    def on_start(self) -> None:
-        if KEY:
-            self.client.headers["Authorization"] = f"Bearer {KEY}"
+    wait_time = between(0.2, 0.5)
+    default_headers = {"Authorization": f"Bearer {KEY}"} if KEY else None
 
     @task(6)
     def status(self) -> None:
