@@ -70,7 +70,9 @@ def load_model(
     with _default_dtype(dtype), torch.device(device):
         model = cls(config, max_positions)
     load_weights(model, path)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    model.prepack()
+    return model
 
 
 def load_weights(model: DecoderForCausalLM, path: Path) -> None:

@@ -27,3 +27,29 @@ def test_packed_linear_shards_match_the_packed_product(bias, widths):
     assert [o.shape for o in outs] == [(37, size) for size in widths.values()]
     for out, exp in zip(outs, expected, strict=True):
         torch.testing.assert_close(out, exp, rtol=1e-5, atol=1e-5)
+
+
+def test_prepacked_output_layer_matches_the_plain_product():
+    """The output layer's oneDNN copy gives the plain product, for any leading shape."""
+    from engine.models.layers import PrepackedLinear
+
+    torch.manual_seed(0)
+    weight = torch.randn(1000, 64)
+    packed = PrepackedLinear.for_cpu(weight)
+    assert packed is not None  # float32 on the CPU: this torch has the oneDNN ops
+    for shape in [(1, 64), (37, 64), (3, 5, 64)]:
+        x = torch.randn(shape)
+        torch.testing.assert_close(packed(x), x @ weight.T, rtol=1e-4, atol=1e-4)
+    assert PrepackedLinear.for_cpu(weight.bfloat16()) is None  # keeps the plain product
+
+
+def test_loaded_model_prepacks_its_output_layer(checkpoints):
+    from engine import LLM
+
+    llm = LLM(str(checkpoints["llama"]), device="cpu", dtype="float32")
+    model = llm.runner.model
+    assert model.packed_lm_head is not None
+    hidden = torch.randn(9, model.lm_head.in_features)
+    torch.testing.assert_close(
+        model.compute_logits(hidden), model.lm_head(hidden), rtol=1e-4, atol=1e-4
+    )

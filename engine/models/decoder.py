@@ -12,7 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.layers import PackedLinear, RMSNorm, Rope, RotaryEmbedding, apply_rope
+from engine.models.layers import (
+    PackedLinear,
+    PrepackedLinear,
+    RMSNorm,
+    Rope,
+    RotaryEmbedding,
+    apply_rope,
+)
 from kernels import AttentionBackend, AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -124,6 +131,7 @@ class DecoderForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.packed_lm_head: PrepackedLinear | None = None  # set by `prepack`
         attn = self.model.layers[0].self_attn
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
@@ -140,7 +148,14 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta, backend)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(hidden)
         return self.lm_head(hidden)
+
+    def prepack(self) -> None:
+        """Once the weights are loaded: the output layer in oneDNN's layout where that is
+        faster (float32 on a CPU)."""
+        self.packed_lm_head = PrepackedLinear.for_cpu(self.lm_head.weight)
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
