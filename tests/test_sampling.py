@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
+from engine.sampler import first_max_index
 from tests.conftest import hf_greedy, random_prompts
 
 PROMPTS = random_prompts(40, 4, 120, seed=5)
@@ -170,3 +172,13 @@ def test_chat_uses_the_template(llm):
     assert text.startswith("<|im_start|>user\n") and text.endswith("<|im_start|>assistant\n")
     out = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
     assert out[0].prompt_token_ids == ids and len(out[0].outputs[0].token_ids) >= 1
+
+
+def test_first_max_index_is_argmax_with_first_index_on_ties():
+    logits = torch.randn(64, 32000, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(first_max_index(logits), logits.argmax(dim=-1))
+    tied = torch.zeros(3, 10)
+    tied[0, [2, 7]] = 5.0
+    tied[1, :] = float("-inf")
+    tied[1, [4, 9]] = 1.0
+    assert first_max_index(tied).tolist() == [2, 4, 0]
