@@ -41,6 +41,14 @@ def test_compiled_decode_matches_dense(lens: list[int]) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_few_long_contexts_run_apart_from_many_short_ones() -> None:
+    blocks = torch.tensor([3, 70, 4, 2, 3, 72, 4, 3])
+    short, long = compiled_paged.split_by_width(blocks)
+    assert sorted(short.tolist()) == [0, 2, 3, 4, 6, 7] and sorted(long.tolist()) == [1, 5]
+    assert compiled_paged.split_by_width(torch.tensor([5, 6, 5, 7])) is None  # nothing to save
+    assert compiled_paged.split_by_width(torch.tensor([9])) is None
+
+
 def test_new_batch_sizes_and_widths_do_not_recompile() -> None:
     def call(lens: list[int], table_dtype: torch.dtype) -> None:
         k_cache, v_cache, tables, g = paged_setup(lens, BLOCK, KV_HEADS, HEAD_DIM)
