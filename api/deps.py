@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Concatenate, ParamSpec, TypeVar
 
 from celery import Celery
 from fastapi import Depends, Request
@@ -49,6 +49,25 @@ async def get_session(state: Annotated[AppState, Depends(get_state)]) -> AsyncIt
 def _commit_and_close(session: Session) -> None:
     with session:
         session.commit()
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+async def read_in_session(
+    state: AppState, read: Callable[Concatenate[Session, P], T], *args: P.args, **kwargs: P.kwargs
+) -> T:
+    """`read(session, ...)` in one trip to the thread pool, on an autocommit connection (no
+    BEGIN or COMMIT round trips). For the routes that only read and are called most (status
+    polls, lists): a sync route with `SessionDep` takes three trips to the pool, for the route,
+    its response's validation and the commit, and two more round trips to the database."""
+
+    def run() -> T:
+        with Session(state.ledger.autocommit) as session:
+            return read(session, *args, **kwargs)
+
+    return await run_in_threadpool(run)
 
 
 StateDep = Annotated[AppState, Depends(get_state)]

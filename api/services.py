@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import re
 import time
+from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Row, bindparam, func, inspect, select, tuple_
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -179,7 +180,48 @@ def _create_batch(
     return batch_id
 
 
-def batch_object(session: Session, batch: BatchRow) -> schemas.Batch:
+# The batch row's columns as a plain select (each labelled with its attribute name, so a
+# result row reads like a BatchRow): the status poll is the API's most frequent call, and a
+# Core row costs it less than an ORM instance with its identity-map and attribute state.
+_BATCH_FIELDS = select(*(a.columns[0].label(a.key) for a in inspect(BatchRow).column_attrs))
+_BATCH_BY_ID = _BATCH_FIELDS.where(BatchRow.id == bindparam("batch_id"))
+
+
+def read_batch(session: Session, batch_id: str, project: str) -> schemas.Batch:
+    """The batch object, if the batch exists and belongs to `project` (else 404)."""
+    batch = session.execute(_BATCH_BY_ID, {"batch_id": batch_id}).first()
+    if batch is None or batch.project != project:
+        raise not_found("batch", batch_id)
+    return batch_object(batch)
+
+
+def batch_list(
+    session: Session, project: str, after: str | None, limit: int, idempotency_key: str | None
+) -> schemas.BatchList:
+    """A page of the project's batches, newest first, after the batch `after`."""
+    query = _BATCH_FIELDS.where(BatchRow.project == project)
+    if idempotency_key is not None:
+        query = query.where(BatchRow.idempotency_key == idempotency_key)
+    if after:
+        cursor = session.execute(
+            select(BatchRow.created_at, BatchRow.id).where(
+                BatchRow.id == after, BatchRow.project == project
+            )
+        ).first()
+        if cursor is not None:
+            query = query.where(tuple_(BatchRow.created_at, BatchRow.id) < tuple_(*cursor))
+    order = (BatchRow.created_at.desc(), BatchRow.id.desc())
+    rows = session.execute(query.order_by(*order).limit(limit + 1)).all()
+    data = [batch_object(b) for b in rows[:limit]]
+    return schemas.BatchList(
+        data=data,
+        first_id=data[0].id if data else None,
+        last_id=data[-1].id if data else None,
+        has_more=len(rows) > limit,
+    )
+
+
+def batch_object(batch: BatchRow | Row[Any]) -> schemas.Batch:
     counts = tr.counts(batch)
     total = batch.total
     progress = 1.0 if batch.status in tr.TERMINAL else (counts.done / total if total else 0.0)

@@ -36,6 +36,9 @@ class Ledger:
         self.url = url
         self.engine = make_engine(url, pre_ping)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
+        # for reads that need no transaction around them: each statement sees the latest
+        # committed state, with no BEGIN and COMMIT round trips to the server
+        self.autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
 
     @property
     def is_sqlite(self) -> bool:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, bindparam, case, func, or_, select, update
+from sqlalchemy import Row, and_, bindparam, case, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from conveyor import openai_batch as ob
@@ -143,8 +143,9 @@ def lock_batch(session: Session, batch_id: str) -> BatchRow | None:
     ).scalar_one_or_none()
 
 
-def counts(batch: BatchRow) -> Counts:
-    """The batch's result totals, from the running counters on its row."""
+def counts(batch: BatchRow | Row[Any]) -> Counts:
+    """The batch's result totals, from the running counters on its row (an ORM instance or a
+    row of its columns by attribute name)."""
     return Counts(
         batch.completed_count,
         batch.failed_count,

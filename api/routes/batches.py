@@ -7,15 +7,15 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
-from sqlalchemy import select, tuple_
+from sqlalchemy import select
 
 from api import schemas
-from api.deps import ProjectDep, SessionDep, StateDep
+from api.deps import ProjectDep, SessionDep, StateDep, read_in_session
 from api.errors import APIError
 from api.routes.files import result_lines
-from api.services import batch_object, create_batch, get_batch
+from api.services import batch_list, batch_object, create_batch, get_batch, read_batch
 from ledger import transitions as tr
-from ledger.models import BatchRow, ResultRow
+from ledger.models import ResultRow
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=schemas.V1_ERRORS)
 
@@ -31,43 +31,23 @@ async def create(
     created with it instead of creating another."""
     batch_id = await run_in_threadpool(create_batch, state, body, project, idempotency_key)
     with state.ledger.session() as session:
-        return batch_object(session, get_batch(session, batch_id, project))
+        return batch_object(get_batch(session, batch_id, project))
 
 
 @router.get("", response_model=schemas.BatchList)
-def list_batches(
-    session: SessionDep,
+async def list_batches(
+    state: StateDep,
     project: ProjectDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     idempotency_key: Annotated[str | None, Query(min_length=1, max_length=255)] = None,
 ) -> schemas.BatchList:
-    query = select(BatchRow).where(BatchRow.project == project)
-    if idempotency_key is not None:
-        query = query.where(BatchRow.idempotency_key == idempotency_key)
-    if after:
-        cursor = session.get(BatchRow, after)
-        if cursor is not None and cursor.project == project:
-            query = query.where(
-                tuple_(BatchRow.created_at, BatchRow.id) < tuple_(cursor.created_at, cursor.id)
-            )
-    rows = list(
-        session.execute(
-            query.order_by(BatchRow.created_at.desc(), BatchRow.id.desc()).limit(limit + 1)
-        ).scalars()
-    )
-    data = [batch_object(session, b) for b in rows[:limit]]
-    return schemas.BatchList(
-        data=data,
-        first_id=data[0].id if data else None,
-        last_id=data[-1].id if data else None,
-        has_more=len(rows) > limit,
-    )
+    return await read_in_session(state, batch_list, project, after, limit, idempotency_key)
 
 
 @router.get("/{batch_id}", response_model=schemas.Batch)
-def retrieve(batch_id: str, session: SessionDep, project: ProjectDep) -> schemas.Batch:
-    return batch_object(session, get_batch(session, batch_id, project))
+async def retrieve(batch_id: str, state: StateDep, project: ProjectDep) -> schemas.Batch:
+    return await read_in_session(state, read_batch, batch_id, project)
 
 
 @router.post(
@@ -85,7 +65,7 @@ def cancel(
         )
     tr.cancel(session, batch_id, state.settings.heartbeat_timeout)
     session.flush()
-    return batch_object(session, batch)
+    return batch_object(batch)
 
 
 @router.get("/{batch_id}/results")

@@ -9,9 +9,10 @@ from typing import Annotated
 from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import FileResponse, StreamingResponse
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from api import schemas
-from api.deps import AppState, ProjectDep, SessionDep, StateDep
+from api.deps import AppState, ProjectDep, SessionDep, StateDep, read_in_session
 from api.errors import APIError
 from api.services import get_file
 from api.storage import UploadLimits
@@ -78,13 +79,19 @@ def upload_file(
 
 
 @router.get("", response_model=schemas.FileList)
-def list_files(
-    session: SessionDep,
+async def list_files(
+    state: StateDep,
     project: ProjectDep,
     purpose: str | None = None,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
     order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
+) -> schemas.FileList:
+    return await read_in_session(state, file_list, project, purpose, after, limit, order)
+
+
+def file_list(
+    session: Session, project: str, purpose: str | None, after: str | None, limit: int, order: str
 ) -> schemas.FileList:
     query = select(FileRow).where(FileRow.deleted.is_(False), FileRow.project == project)
     if purpose:
@@ -122,8 +129,8 @@ def _tuple_gt(cols, key):
 
 
 @router.get("/{file_id}", response_model=schemas.FileObject)
-def retrieve_file(file_id: str, session: SessionDep, project: ProjectDep) -> schemas.FileObject:
-    return file_object(get_file(session, file_id, project))
+async def retrieve_file(file_id: str, state: StateDep, project: ProjectDep) -> schemas.FileObject:
+    return await read_in_session(state, lambda s: file_object(get_file(s, file_id, project)))
 
 
 @router.get("/{file_id}/content")
