@@ -115,6 +115,12 @@ def run_load(
     )
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--users", type=int, default=50)
@@ -170,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             upgrade(db_url)
             api = stack.start_api()
+            api_pid = stack.procs[-1].pid
             if args.model == "tiny":
                 stack.start_worker("w1", write_tiny_model(root / "model", "llama"))
                 served = "tiny"
@@ -184,9 +191,11 @@ def main(argv: list[str] | None = None) -> dict:
                 ).json()["id"]
             body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
             batch_id = httpx.post(f"{api}/v1/batches", json=body, timeout=120).json()["id"]
+            cpu_before, started = process_cpu_seconds(api_pid), time.monotonic()
             result = run_load(
                 api, batch_id, args.users, args.max_seconds, spawn_rate=args.spawn_rate
             )
+            api_cores = (process_cpu_seconds(api_pid) - cpu_before) / (time.monotonic() - started)
             batch = httpx.get(f"{api}/v1/batches/{batch_id}").json()
         finally:
             stack.stop()
@@ -199,6 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
         "batch_requests": args.requests,
         "goal_p99_ms": GOAL_P99_MS,
         "p99_vs_goal": round(result.status_p99_ms / GOAL_P99_MS, 2),
+        "api_cpu_cores": round(api_cores, 2),
     }
     print(
         f"{args.users} clients for {result.seconds} s while a {args.requests:,}-request batch "
@@ -206,7 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     print(
         f"status poll: p50 {result.status_p50_ms:.0f} ms, p99 {result.status_p99_ms:.0f} ms "
-        f"(goal < {GOAL_P99_MS:.0f} ms); all routes p99 {result.all_p99_ms:.0f} ms"
+        f"(goal < {GOAL_P99_MS:.0f} ms); all routes p99 {result.all_p99_ms:.0f} ms; the API "
+        f"used {api_cores:.2f} cores on average"
     )
     print(json.dumps(report))
     return report
