@@ -99,7 +99,7 @@ async def get_project(
 
 
 def _key_project(state: AppState, secret: str) -> str | None:
-    with state.ledger.session() as session:
+    with Session(state.ledger.autocommit) as session:
         key = find_key(session, secret)
         return key.project if key is not None else None
 
