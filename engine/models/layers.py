@@ -61,7 +61,7 @@ CPU_PACKED_MAX_OUT = 2048
 class PrepackedLinear:
     """`x @ weight.T` through oneDNN with the weight reordered once into its blocked layout:
     for a wide output layer (the 32,000-way logits) and the few hundred rows of a decode
-    step, 1.4-2x faster on the CPU than MKL's product on the plain weight. A copy of the
+    step, 1.1-2x faster on the CPU than MKL's product on the plain weight. A copy of the
     weight, so only for float32 on a CPU whose torch has the oneDNN ops (see `for_cpu`)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
