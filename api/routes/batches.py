@@ -30,8 +30,7 @@ async def create(
     """With an `Idempotency-Key` header, a create that repeats a key returns the batch first
     created with it instead of creating another."""
     batch_id = await run_in_threadpool(create_batch, state, body, project, idempotency_key)
-    with state.ledger.session() as session:
-        return batch_object(get_batch(session, batch_id, project))
+    return await read_in_session(state, read_batch, batch_id, project)
 
 
 @router.get("", response_model=schemas.BatchList)

@@ -18,7 +18,7 @@ router = APIRouter(tags=["system"])
 
 
 @router.get("/healthz", response_model=schemas.Health)
-def healthz() -> schemas.Health:
+async def healthz() -> schemas.Health:  # async: nothing in it to send to the thread pool
     return schemas.Health(status="ok")
 
 
