@@ -10,6 +10,7 @@ from engine.models import DecoderForCausalLM
 from engine.scheduler import ScheduledSeq
 from kernels import AttentionBackend, AttentionMetadata
 from kernels.cascade import plan_cascade
+from kernels.metadata import BatchTables
 
 
 @dataclass
@@ -93,10 +94,10 @@ class ModelRunner:
 
         dev = self.device
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
-        lists = (decode_tables, decode_lens, prefill_tables, prefill_lens, query_start)
-        meta = AttentionMetadata.build(slot_mapping, *lists, dev)
+        tables = BatchTables(decode_tables, decode_lens, prefill_tables, prefill_lens, query_start)
+        meta = AttentionMetadata.build(slot_mapping, tables, dev)
         if self.cascade:
-            meta.cascade = plan_cascade(slot_mapping, *lists, bs, dev)
+            meta.cascade = plan_cascade(slot_mapping, tables, bs, dev)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from kernels.metadata import AttentionMetadata, CascadePlan, SharedPrefix
+from kernels.metadata import AttentionMetadata, BatchTables, CascadePlan, SharedPrefix
 
 # Below these a prefix is left to the plain path: one more kernel call and a merge cost more
 # than reading a few blocks a few times.
@@ -24,24 +24,17 @@ MIN_BLOCKS = 4
 
 
 def plan_cascade(
-    slot_mapping: torch.Tensor,
-    decode_tables: list[list[int]],
-    decode_lens: list[int],
-    prefill_tables: list[list[int]],
-    prefill_lens: list[int],
-    query_start: list[int],
-    block_size: int,
-    device: torch.device,
+    slot_mapping: torch.Tensor, batch: BatchTables, block_size: int, device: torch.device
 ) -> CascadePlan | None:
     """Group the batch's sequences by the blocks their tables start with (a batch lists decodes,
     one query each, then prefill chunks). A group's prefix is the blocks every member's table
     starts with and every member's first query comes after, so each of its queries sees all of
     it and no mask is needed."""
-    d = len(decode_tables)
-    tables = decode_tables + prefill_tables
+    d, query_start = len(batch.decode_tables), batch.query_start
+    tables = batch.decode_tables + batch.prefill_tables
     counts = [1] * d + [b - a for a, b in zip(query_start, query_start[1:], strict=False)]
     first_rows = list(range(d)) + [d + a for a in query_start[:-1]]
-    lens = decode_lens + prefill_lens
+    lens = batch.decode_lens + batch.prefill_lens
     first_positions = [n - c for n, c in zip(lens, counts, strict=True)]
 
     groups: dict[int, list[int]] = {}
@@ -71,16 +64,10 @@ def plan_cascade(
         return None
     suffix_tables = [table[s:] for table, s in zip(tables, shared, strict=True)]
     suffix_lens = [n - s * block_size for n, s in zip(lens, shared, strict=True)]
-    suffix = AttentionMetadata.build(
-        slot_mapping,
-        suffix_tables[:d],
-        suffix_lens[:d],
-        suffix_tables[d:],
-        suffix_lens[d:],
-        query_start,
-        device,
+    suffix = BatchTables(
+        suffix_tables[:d], suffix_lens[:d], suffix_tables[d:], suffix_lens[d:], query_start
     )
-    return CascadePlan(prefixes, suffix)
+    return CascadePlan(prefixes, AttentionMetadata.build(slot_mapping, suffix, device))
 
 
 def merge_prefix(

@@ -36,30 +36,40 @@ class AttentionMetadata:
 
     @classmethod
     def build(
-        cls,
-        slot_mapping: torch.Tensor,
-        decode_tables: list[list[int]],
-        decode_lens: list[int],
-        prefill_tables: list[list[int]],
-        prefill_lens: list[int],
-        query_start: list[int],
-        device: torch.device,
+        cls, slot_mapping: torch.Tensor, batch: BatchTables, device: torch.device
     ) -> AttentionMetadata:
         return cls(
             slot_mapping=slot_mapping,
-            num_decode_tokens=len(decode_lens),
-            decode_block_tables=pad_tables(decode_tables, device),
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.long, device=device),
-            prefill_block_tables=pad_tables(prefill_tables, device),
-            prefill_query_start=query_start,
-            prefill_context_lens=prefill_lens,
-            prefill_query_start_tensor=torch.tensor(query_start, dtype=torch.long, device=device),
-            prefill_context_lens_tensor=torch.tensor(prefill_lens, dtype=torch.long, device=device),
-            decode_max_context_len=max(decode_lens, default=0),
+            num_decode_tokens=len(batch.decode_lens),
+            decode_block_tables=pad_tables(batch.decode_tables, device),
+            decode_context_lens=torch.tensor(batch.decode_lens, dtype=torch.long, device=device),
+            prefill_block_tables=pad_tables(batch.prefill_tables, device),
+            prefill_query_start=batch.query_start,
+            prefill_context_lens=batch.prefill_lens,
+            prefill_query_start_tensor=torch.tensor(
+                batch.query_start, dtype=torch.long, device=device
+            ),
+            prefill_context_lens_tensor=torch.tensor(
+                batch.prefill_lens, dtype=torch.long, device=device
+            ),
+            decode_max_context_len=max(batch.decode_lens, default=0),
             prefill_max_query_len=max(
-                (b - a for a, b in zip(query_start, query_start[1:], strict=False)), default=0
+                (b - a for a, b in zip(batch.query_start, batch.query_start[1:], strict=False)),
+                default=0,
             ),
         )
+
+
+@dataclass
+class BatchTables:
+    """A step's sequences as the scheduler lays them out: the decodes (one query each), then
+    the prefill chunks, each with its block table and context length."""
+
+    decode_tables: list[list[int]]
+    decode_lens: list[int]
+    prefill_tables: list[list[int]]
+    prefill_lens: list[int]
+    query_start: list[int]  # where each prefill chunk's queries start, and the end: [S + 1]
 
 
 @dataclass

@@ -10,6 +10,7 @@ import torch
 from kernels import AttentionMetadata, get_attention_backend
 from kernels import cascade as cascade_mod
 from kernels.cascade import plan_cascade
+from kernels.metadata import BatchTables
 from tests.conftest import assert_greedy_matches_hf_through
 
 BS = 8
@@ -30,11 +31,7 @@ def test_plan_groups_sequences_that_start_with_the_same_blocks() -> None:
     query_start = [0, 9, 13, 19]
     plan = plan_cascade(
         torch.zeros(23, dtype=torch.long),
-        decode_tables,
-        decode_lens,
-        prefill_tables,
-        prefill_lens,
-        query_start,
+        BatchTables(decode_tables, decode_lens, prefill_tables, prefill_lens, query_start),
         BS,
         torch.device("cpu"),
     )
@@ -67,11 +64,7 @@ def test_plan_leaves_small_groups_and_short_prefixes_alone() -> None:
     lens = [6 * BS] * len(few) + [4 * BS] * len(short)
     plan = plan_cascade(
         torch.zeros(len(tables), dtype=torch.long),
-        tables,
-        lens,
-        [],
-        [],
-        [0],
+        BatchTables(tables, lens, [], [], [0]),
         BS,
         torch.device("cpu"),
     )
@@ -106,7 +99,7 @@ def _step(lens_and_chunks, prefix_blocks: int, seed: int):
     query = torch.randn(num_tokens, HEADS, HEAD_DIM, generator=g)
     key = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=g)
     value = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=g)
-    lists = (
+    batch = BatchTables(
         [tables[i] for i in decodes],
         [lens_and_chunks[i][0] for i in decodes],
         [tables[i] for i in prefills],
@@ -114,8 +107,8 @@ def _step(lens_and_chunks, prefix_blocks: int, seed: int):
         query_start,
     )
     slot_mapping = torch.tensor(slots)
-    meta = AttentionMetadata.build(slot_mapping, *lists, torch.device("cpu"))
-    plan = plan_cascade(slot_mapping, *lists, BS, torch.device("cpu"))
+    meta = AttentionMetadata.build(slot_mapping, batch, torch.device("cpu"))
+    plan = plan_cascade(slot_mapping, batch, BS, torch.device("cpu"))
     return query, key, value, k_cache, v_cache, meta, plan
 
 
