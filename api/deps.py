@@ -58,13 +58,13 @@ T = TypeVar("T")
 async def read_in_session(
     state: AppState, read: Callable[Concatenate[Session, P], T], *args: P.args, **kwargs: P.kwargs
 ) -> T:
-    """`read(session, ...)` in one trip to the thread pool, on an autocommit connection (no
-    BEGIN or COMMIT round trips). For the routes that only read and are called most (status
+    """`read(session, ...)` in one trip to the thread pool, in `Ledger.reads` (no BEGIN or
+    COMMIT round trips). For the routes that only read and are called most (status
     polls, lists): a sync route with `SessionDep` takes three trips to the pool, for the route,
     its response's validation and the commit, and two more round trips to the database."""
 
     def run() -> T:
-        with Session(state.ledger.autocommit) as session:
+        with state.ledger.reads() as session:
             return read(session, *args, **kwargs)
 
     return await run_in_threadpool(run)
@@ -99,7 +99,7 @@ async def get_project(
 
 
 def _key_project(state: AppState, secret: str) -> str | None:
-    with Session(state.ledger.autocommit) as session:
+    with state.ledger.reads() as session:
         key = find_key(session, secret)
         return key.project if key is not None else None
 

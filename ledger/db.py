@@ -36,9 +36,9 @@ class Ledger:
         self.url = url
         self.engine = make_engine(url, pre_ping)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
-        # for reads that need no transaction around them: each statement sees the latest
-        # committed state, with no BEGIN and COMMIT round trips to the server
-        self.autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        self.read_sessions = sessionmaker(
+            self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        )
 
     @property
     def is_sqlite(self) -> bool:
@@ -48,6 +48,14 @@ class Ledger:
     def session(self) -> Iterator[Session]:
         """A transaction: committed when the block ends, rolled back if it raises."""
         with self.sessions() as session, session.begin():
+            yield session
+
+    @contextmanager
+    def reads(self) -> Iterator[Session]:
+        """A session for reads that need no transaction around them: on an autocommit
+        connection each statement sees the latest committed state, with no BEGIN and COMMIT
+        round trips to the server."""
+        with self.read_sessions() as session:
             yield session
 
     def dispose(self) -> None:
