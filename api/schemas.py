@@ -6,7 +6,8 @@ extra fields (`model`, `progress`, `eta_seconds`) that OpenAI clients ignore.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -159,6 +160,23 @@ class BatchList(BaseModel):
     first_id: str | None = None
     last_id: str | None = None
     has_more: bool = False
+
+
+ListT = TypeVar("ListT", FileList, BatchList)
+
+
+def list_page(
+    model: type[ListT], rows: Sequence[Any], limit: int, item: Callable[[Any], Any]
+) -> ListT:
+    """A page of a list: the first `limit` of `rows` (fetched with one row more than the page,
+    to know whether there is more) as `item(row)` objects, with the first and last ids."""
+    data = [item(row) for row in rows[:limit]]
+    return model(
+        data=data,
+        first_id=data[0].id if data else None,
+        last_id=data[-1].id if data else None,
+        has_more=len(rows) > limit,
+    )
 
 
 class Model(BaseModel):

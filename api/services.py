@@ -212,13 +212,7 @@ def batch_list(
             query = query.where(tuple_(BatchRow.created_at, BatchRow.id) < tuple_(*cursor))
     order = (BatchRow.created_at.desc(), BatchRow.id.desc())
     rows = session.execute(query.order_by(*order).limit(limit + 1)).all()
-    data = [batch_object(b) for b in rows[:limit]]
-    return schemas.BatchList(
-        data=data,
-        first_id=data[0].id if data else None,
-        last_id=data[-1].id if data else None,
-        has_more=len(rows) > limit,
-    )
+    return schemas.list_page(schemas.BatchList, rows, limit, batch_object)
 
 
 def batch_object(batch: BatchRow | Row[Any]) -> schemas.Batch:

@@ -107,13 +107,7 @@ def file_list(
         (FileRow.created_at.desc(), FileRow.id.desc()) if desc else (FileRow.created_at, FileRow.id)
     )
     rows = list(session.execute(query.order_by(*sort).limit(limit + 1)).scalars())
-    data = [file_object(f) for f in rows[:limit]]
-    return schemas.FileList(
-        data=data,
-        first_id=data[0].id if data else None,
-        last_id=data[-1].id if data else None,
-        has_more=len(rows) > limit,
-    )
+    return schemas.list_page(schemas.FileList, rows, limit, file_object)
 
 
 def _tuple_lt(cols, key):
