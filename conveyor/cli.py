@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from conveyor import __version__
+from conveyor.served_names import served_model_names
 from conveyor.service_cli import SERVICE_SUBCOMMANDS
 
 PROG = "conveyor"
@@ -105,7 +106,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="name(s) the model answers to; the first is reported in each response's `model`. "
         "When given, requests whose body.model is not one of them are rejected "
-        "(model_not_found). Default: the --model value, and body.model is not checked",
+        "(model_not_found). Default: the model directory's name (or the Hugging Face id); "
+        "run-batch then does not check body.model",
     )
     g.add_argument(
         "--max-model-len",
@@ -269,7 +271,7 @@ def _cmd_run_batch(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     served = args.served_model_name
-    model_name = served[0] if served else args.model
+    model_name = served_model_names(args.model, served)[0]
     max_pending = 4 * (args.max_num_seqs or 256)
 
     with contextlib.ExitStack() as files:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from conveyor.env_args import apply_env_defaults
+from conveyor.served_names import served_model_names
 
 PROG = "conveyor"
 
@@ -180,12 +181,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not (demo / "config.json").exists():
             write_tiny_model(demo, "llama")
         model = str(demo)
-        names = args.served_model_name or ["demo"]
+        names = served_model_names(model, args.served_model_name or ["demo"])
     else:
-        names = args.served_model_name
+        names = served_model_names(model, args.served_model_name)
     print(
         f"embedded mode: ledger and broker under {settings.data_dir.resolve()}; "
-        f"serving model {names[0] if names else model!r}",
+        f"serving model {names[0]!r}",
         file=sys.stderr,
     )
     runtime = start_runtime(settings, model, names, {})

@@ -9,6 +9,7 @@ from typing import IO, Any
 
 from celery.signals import worker_shutting_down
 
+from conveyor.served_names import served_model_names
 from conveyor.settings import Settings
 from worker.echo import ECHO_MODEL, EchoEngine
 from worker.gpu import claim_gpu
@@ -56,7 +57,7 @@ def start_runtime(
     if model != ECHO_MODEL:
         engine_kwargs = pick_device(settings, engine_kwargs)
     engine, params_cls = build_engine(model, engine_kwargs)
-    names = list(served_names or []) + [model]
+    names = served_model_names(model, served_names)
     runtime = WorkerRuntime(settings, engine, names, params_cls, name=name)
     runtime.start()
     return runtime
