@@ -480,7 +480,12 @@ def add_keys(sub: argparse._SubParsersAction) -> None:
     keys = p.add_subparsers(dest="keys_command", required=True, metavar="{create,list,revoke}")
     create = keys.add_parser("create", help="make a key; its secret is printed once, last")
     create.add_argument("--name", required=True, help="what the key is for, e.g. nightly-eval")
-    create.add_argument("--project", help="the project it acts for (default: the --name)")
+    create.add_argument(
+        "--project",
+        help="the project it acts for, new or existing: a key of an existing project sees all "
+        "its files and batches (default: a new project named after --name; an existing "
+        "project of that name is refused, so that joining one is always asked for)",
+    )
     create.set_defaults(func=cmd_keys_create)
     listing = keys.add_parser("list", help="the keys, without their secrets")
     listing.set_defaults(func=cmd_keys_list)
@@ -500,12 +505,24 @@ def _key_ledger():
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
-    from ledger.keys import create_key
+    from ledger.keys import NAME_CHARS, PROJECT_CHARS, check_label, create_key, project_exists
 
+    try:
+        name = check_label("--name", args.name, NAME_CHARS)
+        project = check_label("--project", args.project or name, PROJECT_CHARS)
+    except ValueError as err:
+        return _fail("keys create", str(err), 2)
     ledger = _key_ledger()
     try:
         with ledger.session() as session:
-            row, secret = create_key(session, args.name, args.project or args.name)
+            if args.project is None and project_exists(session, project):
+                return _fail(
+                    "keys create",
+                    f"project {project!r} already exists; to give it another key, say so with "
+                    f"--project {project!r}; for a new project, choose another --name",
+                    2,
+                )
+            row, secret = create_key(session, name, project)
     finally:
         ledger.dispose()
     print(f"created {row.id} ({row.name}) for project {row.project!r}; the key, shown only once:")

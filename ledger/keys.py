@@ -9,13 +9,36 @@ import time
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ledger.models import ApiKeyRow
+from ledger.models import ApiKeyRow, BatchRow, FileRow
+
+NAME_CHARS = ApiKeyRow.__table__.c.name.type.length
+PROJECT_CHARS = ApiKeyRow.__table__.c.project.type.length
 
 KEY_PREFIX = "cvy-"
 
 
 def key_hash(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def check_label(what: str, value: str, limit: int) -> str:
+    """A key's name or project, stripped; ValueError if empty, too long or not printable."""
+    value = value.strip()
+    if not value:
+        raise ValueError(f"the {what} must not be empty")
+    if len(value) > limit:
+        raise ValueError(f"the {what} is longer than {limit} characters")
+    if not value.isprintable():
+        raise ValueError(f"the {what} must hold printable characters only")
+    return value
+
+
+def project_exists(session: Session, project: str) -> bool:
+    """Whether `project` owns anything yet: a key (live or revoked), a file or a batch."""
+    return any(
+        session.execute(select(table.project).where(table.project == project).limit(1)).first()
+        for table in (ApiKeyRow, FileRow, BatchRow)
+    )
 
 
 def create_key(session: Session, name: str, project: str) -> tuple[ApiKeyRow, str]:

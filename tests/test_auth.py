@@ -154,3 +154,27 @@ def test_keys_are_required_and_revocable(secured: Stack, tmp_path: Path) -> None
     r = project.http.get(f"/v1/files/{file_id}")
     assert r.status_code == 401 and "revoked" in r.json()["error"]["message"]
     assert keys(secured, "revoke", "key_unknown").returncode == 1
+
+
+def test_joining_a_project_is_explicit(secured: Stack, tmp_path: Path) -> None:
+    api = secured.start_api()
+    _, secret = new_key(secured, "team-a")
+    file_id = Project(api, secret).upload(write_jsonl(tmp_path / "in.jsonl", batch_lines(2)))
+
+    again = keys(secured, "create", "--name", "team-a")  # same name: no silent join
+    assert again.returncode == 2 and "--project 'team-a'" in again.stderr
+    assert "cvy-" not in again.stdout
+    for blank in ("", "   "):
+        empty = keys(secured, "create", "--name", blank)
+        assert empty.returncode == 2 and "must not be empty" in empty.stderr
+    empty = keys(secured, "create", "--name", "x", "--project", " ")
+    assert empty.returncode == 2 and "must not be empty" in empty.stderr
+
+    joined = keys(secured, "create", "--name", "team-a-ci", "--project", "team-a")
+    assert joined.returncode == 0, joined.stderr
+    assert "for project 'team-a'" in joined.stdout
+    second = Project(api, joined.stdout.strip().splitlines()[-1])
+    assert second.http.get(f"/v1/files/{file_id}").status_code == 200
+
+    _, other = new_key(secured, "team-b")  # a new name is a new project
+    assert Project(api, other).http.get(f"/v1/files/{file_id}").status_code == 404
