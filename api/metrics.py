@@ -13,6 +13,7 @@ from sqlalchemy import func, select
 from api.schemas import BatchStatus
 from ledger.db import Ledger
 from ledger.models import BatchRow, ShardRow
+from ledger.serving import unserved_models
 
 BATCH_STATUSES = get_args(BatchStatus)
 
@@ -34,6 +35,7 @@ class LedgerCollector(Collector):
                 .where(ShardRow.status == "queued")
                 .group_by(BatchRow.model)
             ).all()
+            unserved = unserved_models(session)
         batches = GaugeMetricFamily(
             "conveyor:batches", "Batches in the ledger by status.", labels=["status"]
         )
@@ -48,6 +50,14 @@ class LedgerCollector(Collector):
         for model, requests in queued:
             depth.add_metric([model or ""], int(requests))
         yield depth
+        waiting = GaugeMetricFamily(
+            "conveyor:unserved_batches",
+            "Batches in progress whose model no live worker serves, by model.",
+            labels=["model_name"],
+        )
+        for model, n in unserved.items():
+            waiting.add_metric([model], n)
+        yield waiting
 
 
 def api_registry(ledger: Callable[[], Ledger]) -> CollectorRegistry:

@@ -152,6 +152,9 @@ class Batch(BaseModel):
     cached_tokens: int = Field(
         default=0, description="prompt tokens served from the prefix cache instead of computed"
     )
+    status_details: str | None = Field(
+        default=None, description="why a batch in progress makes no progress, when known"
+    )
 
 
 class BatchList(BaseModel):
@@ -215,3 +218,8 @@ V1_ERRORS = error_responses(400, 401, 404)
 class Health(BaseModel):
     status: str
     checks: dict[str, Any] = {}
+    unserved_models: dict[str, int] = Field(
+        default_factory=dict,
+        description="models that running batches wait for and no live worker serves, with "
+        "the number of such batches (informational: the API itself is ready)",
+    )

@@ -258,4 +258,15 @@ def batch_object(batch: BatchRow | Row[Any]) -> schemas.Batch:
         progress=round(progress, 4),
         eta_seconds=eta,
         cached_tokens=counts.cached_tokens,
+        status_details=_status_details(batch),
+    )
+
+
+def _status_details(batch: BatchRow | Row[Any]) -> str | None:
+    if batch.status != "in_progress" or batch.unserved_since is None:
+        return None
+    waited = int(time.time() - batch.unserved_since)
+    return (
+        f"no live worker serves model {batch.model!r} (for {waited}s); the batch waits for "
+        "one until it expires: start a worker with this model or served model name"
     )

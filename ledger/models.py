@@ -108,6 +108,8 @@ class BatchRow(Base):
     cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     # the client's `Idempotency-Key` of the create call: a re-sent create returns this batch
     idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    # since when no live worker serves the batch's model (None: one does, or it is not running)
+    unserved_since: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class ShardRow(Base):

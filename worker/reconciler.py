@@ -1,7 +1,8 @@
 """The reconciler: drives every unfinished batch from the ledger alone.
 
 It expires batches past their completion window, finishes cancelled ones whose workers are
-gone, finalizes batches whose requests all have results, and re-sends every shard of an
+gone, finalizes batches whose requests all have results, notes running batches whose model no
+live worker serves (and clears the note when one does), and re-sends every shard of an
 in-progress batch that no broker message and no live worker carries (the broker restarted
 empty, a send failed, a worker died). Workers run it at start and periodically; so does the
 API. Re-sending is safe: a shard skips requests that already have results.
@@ -21,8 +22,9 @@ from celery import Celery
 from conveyor.settings import Settings
 from ledger import transitions as tr
 from ledger.db import Ledger
+from ledger.serving import note_serving
 from worker.broker import live_task_ids
-from worker.celery_app import send_shards
+from worker.celery_app import queue_for, send_shards
 from worker.routing import Router, live_workers
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,7 @@ def _reconcile(ledger: Ledger, app: Celery, settings: Settings) -> ReconcileRepo
                 report.finalized += 1
     with ledger.session() as session:
         workers = live_workers(session, settings.heartbeat_timeout)
+        note_serving(session, lambda model: queue_for(model) in workers)
     grace = max(5.0, settings.heartbeat_timeout)
     names = {w for names in workers.values() for w in names}
 

@@ -12,6 +12,7 @@ from sqlalchemy import select, text
 from api import schemas
 from api.deps import SessionDep, StateDep, get_project
 from ledger.models import WorkerRow
+from ledger.serving import unserved_models
 from worker.broker import ping
 
 router = APIRouter(tags=["system"])
@@ -25,10 +26,12 @@ async def healthz() -> schemas.Health:  # async: nothing in it to send to the th
 @router.get("/readyz", response_model=schemas.Health, responses={503: {"model": schemas.Health}})
 async def readyz(state: StateDep):
     checks: dict[str, str] = {}
+    unserved: dict[str, int] = {}
 
     def check_db() -> None:
         with state.ledger.session() as session:
             session.execute(text("SELECT 1"))
+            unserved.update(unserved_models(session))
 
     for name, probe in (
         ("database", check_db),
@@ -40,7 +43,9 @@ async def readyz(state: StateDep):
         except Exception as err:
             checks[name] = f"unreachable: {type(err).__name__}: {err}"
     ok = all(v == "ok" for v in checks.values())
-    body = schemas.Health(status="ok" if ok else "unavailable", checks=checks)
+    body = schemas.Health(
+        status="ok" if ok else "unavailable", checks=checks, unserved_models=unserved
+    )
     return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
 
 
