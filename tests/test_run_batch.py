@@ -203,6 +203,76 @@ def test_bytes_that_are_not_utf8() -> None:
     assert "not valid UTF-8" in str(err)
 
 
+@pytest.mark.parametrize(
+    ("text", "param", "where"),
+    [
+        (chat_line("a", "\ud800"), "body.messages[0].content", "\\ud800 at character 0"),
+        (completion_line("a", "ok \udfff"), "body.prompt", "\\udfff at character 3"),
+        (
+            chat_line("a", [{"type": "text", "text": "x"}, {"type": "text", "text": "y\udc00"}]),
+            "body.messages[0].content[1].text",
+            "\\udc00 at character 1",
+        ),
+        (chat_line("a", stop=["ok", "\udbff"]), "body.stop[1]", "\\udbff"),
+        (chat_line("a", user="\ud800"), "body.user", "\\ud800"),  # ignored fields too
+        (chat_line("a", **{"n\udc00": 1}), 'body["n\\udc00"]', "in the field name"),
+        # the escape written by hand in the JSON text, in either case
+        (chat_line("a", "x").replace('"x"', '"x\\uDFFF"'), "body.messages[0].content", "\\udfff"),
+    ],
+    ids=["chat", "prompt", "part", "stop", "unknown-field", "key", "raw-escape"],
+)
+def test_lone_surrogates_fail_their_line(text: str, param: str, where: str) -> None:
+    """A tokenizer, a UTF-8 file and the ledger all fail on a lone surrogate: the line is
+    refused where it is validated, naming the field."""
+    err = parse_error(text)
+    assert (err.code, err.param, err.custom_id, err.status_code) == (
+        "invalid_unicode",
+        param,
+        "a",
+        400,
+    )
+    assert where in str(err) and "not valid Unicode" in str(err)
+    assert str(err).isascii()  # the message itself can be stored and written anywhere
+    # the same check when the line comes in decoded, with no text to pre-test
+    with pytest.raises(BatchRequestError) as info:
+        parse_request_object(json.loads(text))
+    assert (info.value.code, info.value.param) == ("invalid_unicode", param)
+
+
+def test_text_that_is_valid_unicode_passes() -> None:
+    pair = chat_line("a", "\U0001f600 and PAIR with a NUL \x00").replace("PAIR", "\\ud83d\\ude00")
+    assert parse_request_line(pair).messages == [
+        {"role": "user", "content": "\U0001f600 and \U0001f600 with a NUL \x00"}
+    ]
+    # body.model is checked by the ledger where it is stored (tests/test_api_validation.py)
+    model = line("a", CHAT_URL, {"model": "m\ud800", "messages": [{"role": "user", "content": ""}]})
+    assert parse_request_line(model).model == "m\ud800"
+
+
+def test_a_type_error_is_reported_before_a_lone_surrogate() -> None:
+    err = parse_error(chat_line("a", temperature="\ud800"))
+    assert (err.code, err.param) == ("invalid_request", "body.temperature")
+
+
+def test_nesting_is_bounded() -> None:
+    def nested(levels: int) -> Any:
+        value: Any = []
+        for _ in range(levels - 1):
+            value = [value]
+        return value
+
+    # the line is level 1 and its body level 2: 62 more levels fit
+    assert parse_request_line(chat_line("a", user=nested(62))).custom_id == "a"
+    err = parse_error(chat_line("a", user=nested(63)))
+    assert (err.code, err.custom_id) == ("invalid_request", "a")
+    assert err.param == "body.user" + "[0]" * 62 and "deeper than 64 levels" in str(err)
+    # too deep for the JSON parser itself: not a crash, an invalid_json line
+    deep = '{"custom_id": "a", "body": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    err = parse_error(deep)
+    assert err.code == "invalid_json" and err.custom_id is None
+    assert "nested deeper than" in str(err)
+
+
 # ------------------------------------------------------------------------------------------------
 # Parsing: mapping to SamplingParams keyword arguments
 # ------------------------------------------------------------------------------------------------
