@@ -12,7 +12,6 @@ keeps this module free of torch imports until an engine is actually handed in.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from conveyor.openai_batch import (
     TokenDecoder,
     build_output_line,
     classify_engine_error,
+    dump_line,
     error_line_from_exception,
     peek_custom_id,
 )
@@ -138,7 +138,7 @@ class BatchRunner:
     # ---- output ---------------------------------------------------------------------------
     def _emit(self, obj: dict[str, Any], *, ok: bool) -> None:
         stream = self.out if ok else self.error_out
-        stream.write(json.dumps(obj, ensure_ascii=False) + "\n")
+        stream.write(dump_line(obj) + "\n")
         stream.flush()
         if ok:
             self.stats.succeeded += 1

@@ -884,6 +884,19 @@ def build_error_line(
     }
 
 
+def dump_line(obj: dict[str, Any]) -> str:
+    """A result or error line as JSON text that UTF-8 (a file, the ledger) can always hold:
+    text as it is, unless it has a lone surrogate (model text or an echoed prompt can), then
+    with every non-ASCII character escaped, which decodes to the same line."""
+    text = json.dumps(obj, ensure_ascii=False)
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return json.dumps(obj)
+    return text
+
+
 def error_line_from_exception(err: BatchRequestError) -> dict[str, Any]:
     return build_error_line(
         err.custom_id,
@@ -968,6 +981,7 @@ __all__ = [
     "chat_logprobs",
     "classify_engine_error",
     "completion_logprobs",
+    "dump_line",
     "error_line_from_exception",
     "parse_request_line",
     "parse_request_object",

@@ -901,3 +901,49 @@ def test_runner_reports_requests_the_engine_lost(tmp_path: Path) -> None:
     (row,) = [json.loads(x) for x in out.getvalue().splitlines()]
     assert row["custom_id"] == "a" and row["error"]["code"] == "internal_error"
     assert (stats.succeeded, stats.failed) == (0, 1)
+
+
+def test_runner_writes_lines_that_hold_lone_surrogates(tmp_path: Path) -> None:
+    """Model text (or a message quoting input) with a lone surrogate cannot be written as
+    UTF-8: the line is written with ASCII escapes instead, and reads back the same."""
+    from conveyor.batch_runner import BatchRunner
+
+    class SurrogateEngine(ScriptedEngine):
+        def step(self) -> list[Any]:
+            (out,) = super().step()
+            out.outputs[0].text = "ok \udc80"
+            return [out]
+
+    path = tmp_path / "out.jsonl"
+    lines = [
+        (1, completion_line("a", "x").encode()),
+        (2, line("b", COMPLETIONS_URL, {"model": "m\ud800", "prompt": "x"}).encode()),
+        (3, completion_line("c", "é").encode()),
+    ]
+    with open(path, "w", encoding="utf-8") as out:
+        runner = BatchRunner(
+            SurrogateEngine(),
+            sampling_params_cls=dict,
+            model_name="m",
+            out=out,
+            served_model_names=["m"],
+        )
+        stats = runner.run(lines)
+    assert (stats.succeeded, stats.failed) == (2, 1)
+    rows = {r["custom_id"]: r for r in read_jsonl(path)}
+    assert rows["a"]["response"]["body"]["choices"][0]["text"] == "ok \udc80"
+    assert (
+        rows["b"]["error"]["code"] == "model_not_found"
+        and "\ud800" in rows["b"]["error"]["message"]
+    )
+    assert rows["c"]["response"]["body"]["choices"][0]["text"] == "ok \udc80"
+    text = path.read_text(encoding="utf-8")
+    assert "\\udc80" in text and "\\ud800" in text
+
+
+def test_dump_line_keeps_text_unless_it_cannot_be_utf8() -> None:
+    from conveyor.openai_batch import dump_line
+
+    assert dump_line({"t": "é 😀"}) == '{"t": "é 😀"}'
+    assert dump_line({"t": "é \ud800"}) == '{"t": "\\u00e9 \\ud800"}'
+    assert json.loads(dump_line({"t": "é \ud800"})) == {"t": "é \ud800"}

@@ -7,7 +7,6 @@ feeds the one engine. `run_shard` is the task body.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -259,7 +258,7 @@ class WorkerRuntime:
             batch_id=batch_id,
             line_id=line["id"],
             ok=ok,
-            output=json.dumps(line, ensure_ascii=False),
+            output=ob.dump_line(line),
             worker=self.name,
             created_at=time.time(),
             prompt_tokens=0,
