@@ -163,7 +163,9 @@ class WorkerRuntime:
                 ob.apply_max_tokens_cap(parsed, self.settings.max_tokens_cap)
                 prompt, params = prepare_request(self.engine, parsed, self.sampling_params_cls)
             except ob.BatchRequestError as err:
-                self._write(batch_id, request_id, ob.error_line_from_exception(err), tally)
+                self._write(
+                    batch_id, request_id, ob.error_line_from_exception(err), tally, number=line
+                )
                 continue
             job = EngineJob(
                 f"{batch_id}:{request_id}",
@@ -228,7 +230,7 @@ class WorkerRuntime:
                 line=parsed.line,
                 status_code=500,
             )
-            self._write(batch_id, request_id, line, tally)
+            self._write(batch_id, request_id, line, tally, number=parsed.line)
             return
         completion = sum(len(c.token_ids) for c in output.outputs)
         self._write(
@@ -236,6 +238,7 @@ class WorkerRuntime:
             request_id,
             line,
             tally,
+            number=parsed.line,
             ok=True,
             prompt_tokens=len(output.prompt_token_ids or []),
             completion_tokens=0 if parsed.drop_generation else completion,
@@ -250,9 +253,9 @@ class WorkerRuntime:
             line=parsed.line,
             param="body.messages" if parsed.is_chat else "body.prompt",
         )
-        self._write(batch_id, request_id, line, tally)
+        self._write(batch_id, request_id, line, tally, number=parsed.line)
 
-    def _write(self, batch_id, request_id, line, tally, ok=False, **tokens) -> None:
+    def _write(self, batch_id, request_id, line, tally, number=None, ok=False, **tokens) -> None:
         row = dict(
             request_id=request_id,
             batch_id=batch_id,
@@ -266,4 +269,4 @@ class WorkerRuntime:
             cached_tokens=0,
         )
         row.update(tokens)
-        self.writer.put(WriteItem(row, tally))
+        self.writer.put(WriteItem(row, tally, line.get("custom_id"), number))
