@@ -173,6 +173,8 @@ class BatchRunner:
             self._emit_error(err)
             return
         except Exception as err:
+            with contextlib.suppress(Exception):  # whatever of it the engine kept
+                self.llm.abort(request_id)
             self._emit_error(
                 BatchRequestError(
                     f"internal error while adding the request: {type(err).__name__}: {err}",
@@ -189,6 +191,17 @@ class BatchRunner:
         """Write the result line of a finished engine request."""
         request = self.pending.pop(output.request_id, None)
         if request is None:
+            return
+        if (error := getattr(output, "error", None)) is not None:
+            self._emit_error(
+                BatchRequestError(
+                    f"the engine failed on this request: {error}",
+                    code=INTERNAL_ERROR,
+                    line=request.line,
+                    custom_id=request.custom_id,
+                    status_code=500,
+                )
+            )
             return
         try:
             line = build_output_line(request, output, self.model_name, self.decoder)

@@ -167,6 +167,15 @@ class WorkerRuntime:
                     batch_id, request_id, ob.error_line_from_exception(err), tally, number=line
                 )
                 continue
+            except Exception as err:  # a fault of ours with this line: it fails alone
+                log.exception("shard %s: request %s could not be prepared", shard_id, request_id)
+                custom_id = ob.peek_custom_id(raw)
+                message = f"could not prepare this request: {type(err).__name__}: {err}"
+                error = ob.build_error_line(
+                    custom_id, ob.INTERNAL_ERROR, message, line=line, status_code=500
+                )
+                self._write(batch_id, request_id, error, tally, number=line)
+                continue
             job = EngineJob(
                 f"{batch_id}:{request_id}",
                 prompt,
@@ -219,16 +228,16 @@ class WorkerRuntime:
 
     # ---- results (called from the engine thread) -------------------------------------------
     def _on_done(self, batch_id, request_id, parsed, model, tally, output) -> None:
+        if (error := getattr(output, "error", None)) is not None:
+            line = self._internal_error(parsed, f"the engine failed on this request: {error}")
+            self._write(batch_id, request_id, line, tally, number=parsed.line)
+            return
         self.metrics.observe_request(output)
         try:
             line = ob.build_output_line(parsed, output, model, self.decoder)
         except Exception as err:
-            line = ob.build_error_line(
-                parsed.custom_id,
-                ob.INTERNAL_ERROR,
-                f"could not format the result: {type(err).__name__}: {err}",
-                line=parsed.line,
-                status_code=500,
+            line = self._internal_error(
+                parsed, f"could not format the result: {type(err).__name__}: {err}"
             )
             self._write(batch_id, request_id, line, tally, number=parsed.line)
             return
@@ -246,14 +255,25 @@ class WorkerRuntime:
         )
 
     def _on_refused(self, batch_id, request_id, parsed, tally, err: Exception) -> None:
-        line = ob.build_error_line(
-            parsed.custom_id,
-            ob.classify_engine_error(str(err)),
-            str(err),
-            line=parsed.line,
-            param="body.messages" if parsed.is_chat else "body.prompt",
-        )
+        if isinstance(err, ValueError):  # the engine's word that the request is bad
+            line = ob.build_error_line(
+                parsed.custom_id,
+                ob.classify_engine_error(str(err)),
+                str(err),
+                line=parsed.line,
+                param="body.messages" if parsed.is_chat else "body.prompt",
+            )
+        else:
+            line = self._internal_error(
+                parsed, f"the engine failed on this request: {type(err).__name__}: {err}"
+            )
         self._write(batch_id, request_id, line, tally, number=parsed.line)
+
+    @staticmethod
+    def _internal_error(parsed: ob.ParsedRequest, message: str) -> dict[str, Any]:
+        return ob.build_error_line(
+            parsed.custom_id, ob.INTERNAL_ERROR, message, line=parsed.line, status_code=500
+        )
 
     def _write(self, batch_id, request_id, line, tally, number=None, ok=False, **tokens) -> None:
         row = dict(
