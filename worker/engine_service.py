@@ -39,9 +39,12 @@ class EngineJob:
 
 
 class EngineService(threading.Thread):
-    def __init__(self, engine: Any) -> None:
+    def __init__(
+        self, engine: Any, on_failure: Callable[[BaseException], None] | None = None
+    ) -> None:
         super().__init__(name="conveyor-engine", daemon=True)
         self.engine = engine
+        self.on_failure = on_failure  # called from the loop thread as the loop dies
         self.inbox: queue.SimpleQueue[EngineJob] = queue.SimpleQueue()
         self.aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.jobs: dict[str, EngineJob] = {}
@@ -95,6 +98,11 @@ class EngineService(threading.Thread):
         except BaseException as err:  # the engine broke: the process must not look healthy
             self.failure = err
             log.exception("the engine loop failed")
+            if self.on_failure is not None:
+                try:
+                    self.on_failure(err)
+                except Exception:
+                    log.exception("could not act on the engine's failure")
             raise
 
     def _take_jobs(self) -> None:

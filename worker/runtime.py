@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -32,6 +33,10 @@ from worker.reconciler import ReconcilerLoop, reconcile
 from worker.writer import ResultWriter, ShardTally, WriteItem
 
 log = logging.getLogger(__name__)
+
+# the exit status of a worker whose engine failed (sysexits' EX_SOFTWARE): its supervisor
+# restarts it
+ENGINE_FAILED_EXIT = 70
 
 _runtime: WorkerRuntime | None = None
 
@@ -63,7 +68,7 @@ class WorkerRuntime:
         # no ping per checkout: every ledger call here retries or is re-run by the reconciler
         self.ledger = Ledger(settings.db_url, pre_ping=False)
         self.app = make_celery(settings)
-        self.service = EngineService(engine)
+        self.service = EngineService(engine, on_failure=self._engine_failed)
         self.metrics = WorkerMetrics(engine, self.model_names[0])
         self.writer = ResultWriter(
             self.ledger, settings.heartbeat_timeout, on_lag=self.metrics.writer_lag.observe
@@ -73,6 +78,9 @@ class WorkerRuntime:
         self.stopped = threading.Event()
         # set by a SIGTERM's deadline: running shards abort what is left and go back to queued
         self.handing_back = threading.Event()
+        # set when the engine loop died: running shards go back, the process exits
+        self.engine_failed = threading.Event()
+        self._registration = threading.Lock()  # a heartbeat cannot revive a withdrawn row
         self.heartbeat = threading.Thread(
             target=self._heartbeat_loop, daemon=True, name="conveyor-worker-heartbeat"
         )
@@ -98,24 +106,48 @@ class WorkerRuntime:
         self.service.stop()
         self.writer.stop()
         self.writer.join(timeout=30)
-        try:
-            with self.ledger.session() as session:
-                session.execute(delete(WorkerRow).where(WorkerRow.id == self.name))
-        except Exception:
-            log.warning("could not deregister worker %s", self.name)
+        self._withdraw()
 
     def _register(self) -> None:
-        with self.ledger.session() as session:
-            session.merge(
-                WorkerRow(
-                    id=self.name,
-                    models=self.model_names,
-                    queues=self.queues,
-                    started_at=self.started_at,
-                    last_seen=time.time(),
-                    stats=self.stats(),
+        with self._registration:
+            if self.engine_failed.is_set():
+                return
+            with self.ledger.session() as session:
+                session.merge(
+                    WorkerRow(
+                        id=self.name,
+                        models=self.model_names,
+                        queues=self.queues,
+                        started_at=self.started_at,
+                        last_seen=time.time(),
+                        stats=self.stats(),
+                    )
                 )
-            )
+
+    def _withdraw(self) -> None:
+        """No longer announce this worker: `GET /v1/models` and shard routing drop it."""
+        with self._registration:
+            try:
+                with self.ledger.session() as session:
+                    session.execute(delete(WorkerRow).where(WorkerRow.id == self.name))
+            except Exception:
+                log.warning("could not deregister worker %s", self.name)
+
+    def _engine_failed(self, err: BaseException) -> None:
+        """The engine loop died (called from its thread): stop announcing this worker, and
+        shut down as on SIGTERM; the running shards see the failure and hand their unfinished
+        requests back, and `conveyor worker` then exits with ENGINE_FAILED_EXIT."""
+        log.error(
+            "the engine failed (%s: %s): worker %s withdraws, hands its shards back and exits "
+            "with status %d",
+            type(err).__name__,
+            err,
+            self.name,
+            ENGINE_FAILED_EXIT,
+        )
+        self.engine_failed.set()
+        self._withdraw()
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def _heartbeat_loop(self) -> None:
         while not self.stopped.wait(min(5.0, self.settings.heartbeat_interval * 2)):
@@ -145,8 +177,8 @@ class WorkerRuntime:
             return self._run_shard(shard_id)
 
     def _run_shard(self, shard_id: int) -> str:
-        if self.handing_back.is_set():  # delivered during shutdown: leave it to another worker
-            return "handed back"
+        if self.handing_back.is_set() or self.engine_failed.is_set():
+            return "handed back"  # delivered during shutdown: leave it to another worker
         with self.ledger.session() as session:
             claim = tr.claim_shard(session, shard_id, self.name)
         if claim is None:
@@ -191,9 +223,7 @@ class WorkerRuntime:
             self._finish_shard(shard_id, batch_id)
             return "done"
         while not tally.wait(self.settings.heartbeat_interval):
-            if self.service.failure is not None:
-                raise RuntimeError("the engine loop failed") from self.service.failure
-            if self.handing_back.is_set():
+            if self.handing_back.is_set() or self.engine_failed.is_set():
                 break
             try:
                 with self.ledger.session() as session:
@@ -207,6 +237,12 @@ class WorkerRuntime:
             return "done"  # the writer closed the shard with its last result
         tally.take_over()
         self.service.abort(engine_ids)
+        if self.engine_failed.is_set():
+            log.warning("shard %s: the engine failed; handing back what is unfinished", shard_id)
+            # what the engine finished before is committed first, so no run repeats it
+            self.writer.drain(timeout=max(5.0, self.settings.heartbeat_timeout))
+            self._finish_shard(shard_id, batch_id)
+            return "handed back: the engine failed"
         if self.handing_back.is_set():
             log.info("shard %s: handing back its unfinished requests", shard_id)
         self._finish_shard(shard_id, batch_id)  # what finished stays; the rest is queued again

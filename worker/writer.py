@@ -88,13 +88,24 @@ class ResultWriter(threading.Thread):
         self.max_rows, self.max_delay = max_rows, max_delay
         self.items: queue.SimpleQueue[WriteItem] = queue.SimpleQueue()
         self.stopped = threading.Event()
-        self.committed = 0
+        self.received = 0
+        self.committed = 0  # rows settled: stored, or replaced by their error lines
+        self.settled = threading.Condition()
         self.started_batches: set[str] = set()  # batches whose first result is recorded
         self.lag = 0.0  # seconds the last committed batch of rows waited
         self.on_lag = on_lag  # called with each committed row's wait, in seconds
 
     def put(self, item: WriteItem) -> None:
+        with self.settled:
+            self.received += 1
         self.items.put(item)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every row put so far is committed; False if that takes over `timeout`
+        seconds."""
+        with self.settled:
+            target = self.received
+            return self.settled.wait_for(lambda: self.committed >= target, timeout)
 
     def stop(self) -> None:
         self.stopped.set()
@@ -148,7 +159,9 @@ class ResultWriter(threading.Thread):
                 except Exception:  # the reconciler re-sends them; their runs close them
                     log.exception("could not close %d shard(s)", len(closing))
         self.started_batches.update(item.row["batch_id"] for item in batch)
-        self.committed += len(batch)
+        with self.settled:
+            self.committed += len(batch)
+            self.settled.notify_all()
         now = time.time()
         self.lag = now - min(item.row["created_at"] for item in batch)
         if self.on_lag is not None:
