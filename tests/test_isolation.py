@@ -8,6 +8,8 @@ is quarantined. Other projects' batches complete meanwhile.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -20,6 +22,7 @@ from conveyor.settings import normalize_database_url
 from worker.runtime import ENGINE_FAILED_EXIT
 
 FAULTY_WORKER = str(Path(__file__).with_name("faulty_worker.py"))
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 
 def faulty(*faults: str) -> list[str]:
@@ -81,3 +84,181 @@ def test_a_worker_whose_engine_fails_withdraws_hands_back_and_exits(
     assert time.time() - started < 60
     by_worker = dict(query(stack, "SELECT worker, count(*) FROM results GROUP BY worker"))
     assert by_worker == {"w1": done_before, "w2": 40 - done_before}
+
+
+# ---- two projects on one deployment -----------------------------------------------------------
+
+
+def project_headers(stack: Stack, name: str) -> dict[str, str]:
+    """The Authorization header of a new key of project `name`."""
+    done = subprocess.run(
+        [sys.executable, "-m", "conveyor", "keys", "create", "--name", name],
+        env=stack.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return {"Authorization": f"Bearer {done.stdout.strip().splitlines()[-1]}"}
+
+
+def submit(api: str, path: Path, headers: dict[str, str], endpoint: str = CHAT) -> str:
+    with open(path, "rb") as f:
+        upload = httpx.post(
+            f"{api}/v1/files",
+            files={"file": (path.name, f)},
+            data={"purpose": "batch"},
+            headers=headers,
+            timeout=60,
+        )
+    assert upload.status_code == 200, upload.text
+    body = {"input_file_id": upload.json()["id"], "endpoint": endpoint}
+    created = httpx.post(f"{api}/v1/batches", json=body, headers=headers, timeout=60)
+    assert created.status_code == 200, created.text
+    return created.json()["id"]
+
+
+def completion_lines(n: int, prefix: str) -> list[dict]:
+    return [
+        {
+            "custom_id": f"{prefix}-{i}",
+            "method": "POST",
+            "url": COMPLETIONS,
+            "body": {"model": "tiny", "prompt": f"say {i}", "max_tokens": 4},
+        }
+        for i in range(n)
+    ]
+
+
+class Deployment:
+    """An API with auth, two projects, and the batches of each submitted so far."""
+
+    def __init__(self, stack: Stack) -> None:
+        stack.env["CONVEYOR_AUTH"] = "required"
+        self.stack = stack
+        self.api = stack.start_api()
+        self.a = project_headers(stack, "A")
+        self.b = project_headers(stack, "B")
+
+    def wait(self, batch_id: str, headers: dict[str, str], timeout: float) -> dict:
+        return wait_for(self.api, batch_id, timeout=timeout, headers=headers)
+
+    def lines(self, batch: dict, headers: dict[str, str]) -> list[dict]:
+        return every_line(self.api, batch, headers)
+
+
+def poison_batches(tmp_path: Path) -> tuple[list[dict], list[dict]]:
+    """Project A's chat batch with a lone surrogate in one message, and its completions batch
+    whose one prompt is a lone surrogate (the two lines of issue 16)."""
+    chat = batch_lines(10, prefix="a")
+    chat[3]["body"]["messages"][1]["content"] = "\ud800"
+    completions = completion_lines(5, prefix="ac")
+    completions[2]["body"]["prompt"] = "\udfff"
+    return chat, completions
+
+
+def assert_poison_failed_alone(
+    deployment: Deployment, ids: tuple[str, str], chat: list, completions: list
+) -> None:
+    for batch_id, lines, poison, param in (
+        (ids[0], chat, "a-3", "body.messages[1].content"),
+        (ids[1], completions, "ac-2", "body.prompt"),
+    ):
+        batch = deployment.wait(batch_id, deployment.a, timeout=60)
+        assert batch["status"] == "completed", batch
+        n = len(lines)
+        assert batch["request_counts"] == {"total": n, "completed": n - 1, "failed": 1}
+        got = assert_each_once(deployment.lines(batch, deployment.a), lines)
+        error = got[poison]["error"]
+        assert (error["code"], error["param"]) == ("invalid_unicode", param)
+        assert got[poison]["response"]["status_code"] == 400
+        assert all(got[x["custom_id"]]["error"] is None for x in lines if x["custom_id"] != poison)
+
+
+def test_poison_lines_fail_alone_and_stall_no_one(stack: Stack, tmp_path: Path) -> None:
+    deployment = Deployment(stack)
+    stack.start_worker("w1", "echo")
+    chat, completions = poison_batches(tmp_path)
+    api, a, b = deployment.api, deployment.a, deployment.b
+    ids = (
+        submit(api, write_jsonl(tmp_path / "a.jsonl", chat), a),
+        submit(api, write_jsonl(tmp_path / "ac.jsonl", completions), a, COMPLETIONS),
+    )
+    others = batch_lines(40, prefix="b", system="Project B's system prompt.")
+    started = time.time()
+    b_id = submit(api, write_jsonl(tmp_path / "b.jsonl", others), b)
+
+    batch = deployment.wait(b_id, b, timeout=30)  # the other project is not held up
+    assert batch["status"] == "completed", batch
+    assert batch["request_counts"] == {"total": 40, "completed": 40, "failed": 0}
+    assert time.time() - started < 30
+    assert_each_once(deployment.lines(batch, b), others)
+    assert_poison_failed_alone(deployment, ids, chat, completions)
+    assert "could not commit" not in stack.log("w1")
+
+
+def test_poison_lines_stall_no_one_after_a_worker_is_killed(stack: Stack, tmp_path: Path) -> None:
+    stack.env["CONVEYOR_ECHO_STEP_SECONDS"] = "0.1"  # 4 requests a step: batches take a while
+    deployment = Deployment(stack)
+    stack.start_worker("w1", "echo", "--max-num-seqs", "4")
+    chat, completions = poison_batches(tmp_path)
+    api, a, b = deployment.api, deployment.a, deployment.b
+    ids = (
+        submit(api, write_jsonl(tmp_path / "a.jsonl", chat), a),
+        submit(api, write_jsonl(tmp_path / "ac.jsonl", completions), a, COMPLETIONS),
+    )
+    others = batch_lines(40, prefix="b", system="Project B's system prompt.")
+    b_id = submit(api, write_jsonl(tmp_path / "b.jsonl", others), b)
+    deadline = time.time() + 60
+    while query(stack, "SELECT count(*) FROM results WHERE ok")[0][0] < 8:
+        assert time.time() < deadline, stack.log("w1")[-3000:]
+        time.sleep(0.1)
+    stack.kill("w1")  # SIGKILL mid-run: its shards are re-sent to the next worker
+    runnable = len(others) + len(chat) - 1 + len(completions) - 1
+    assert query(stack, "SELECT count(*) FROM results WHERE ok")[0][0] < runnable
+
+    started = time.time()
+    stack.start_worker("w2", "echo", "--max-num-seqs", "4")
+    batch = deployment.wait(b_id, b, timeout=90)
+    assert batch["status"] == "completed", batch
+    assert batch["request_counts"] == {"total": 40, "completed": 40, "failed": 0}
+    assert time.time() - started < 90  # the heartbeat timeout, then 10 s of steps
+    assert_each_once(deployment.lines(batch, b), others)
+    assert_poison_failed_alone(deployment, ids, chat, completions)
+    assert "could not commit" not in stack.log("w2")
+
+
+# ---- behind the door ---------------------------------------------------------------------------
+
+
+def test_what_the_engine_cannot_take_or_the_ledger_cannot_store_fails_alone(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """Validation will miss something some day: a prompt the engine's tokenizer raises on,
+    model text with a lone surrogate. Each fails (or is stored) alone, and the worker and the
+    other project's batch go on."""
+    deployment = Deployment(stack)
+    w1 = stack.start_worker(
+        "w1",
+        "echo",
+        launcher=faulty("--refuse-prompt-with", "TOKENIZER-FAILS", "--surrogate-text-for", "ODD"),
+    )
+    api, a, b = deployment.api, deployment.a, deployment.b
+    lines = completion_lines(6, prefix="a")
+    lines[1]["body"]["prompt"] = "TOKENIZER-FAILS here"
+    lines[4]["body"]["prompt"] = "ODD text"
+    a_id = submit(api, write_jsonl(tmp_path / "a.jsonl", lines), a, COMPLETIONS)
+    others = batch_lines(20, prefix="b")
+    b_id = submit(api, write_jsonl(tmp_path / "b.jsonl", others), b)
+
+    batch = deployment.wait(a_id, a, timeout=30)
+    assert batch["request_counts"] == {"total": 6, "completed": 5, "failed": 1}, batch
+    got = assert_each_once(deployment.lines(batch, a), lines)
+    refused = got["a-1"]
+    assert refused["error"]["code"] == "internal_error" and refused["error"]["line"] == 2
+    assert refused["response"]["status_code"] == 500
+    assert "the engine failed on this request: TypeError" in refused["error"]["message"]
+    assert got["a-4"]["response"]["body"]["choices"][0]["text"] == "ODD text \udc80"
+    assert deployment.wait(b_id, b, timeout=30)["status"] == "completed"
+    assert w1.poll() is None  # still up, and still announcing itself
+    assert [r[0] for r in query(stack, "SELECT id FROM workers")] == ["w1"]
