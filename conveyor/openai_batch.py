@@ -51,6 +51,7 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 CHAT_TEMPLATE_ERROR = "chat_template_error"
 INTERNAL_ERROR = "internal_error"
 INVALID_UNICODE = "invalid_unicode"
+REQUEST_QUARANTINED = "request_quarantined"
 
 # Deepest nesting of objects and arrays a batch line may have (the line itself is level 1).
 MAX_JSON_DEPTH = 64

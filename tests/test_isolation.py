@@ -262,3 +262,55 @@ def test_what_the_engine_cannot_take_or_the_ledger_cannot_store_fails_alone(
     assert deployment.wait(b_id, b, timeout=30)["status"] == "completed"
     assert w1.poll() is None  # still up, and still announcing itself
     assert [r[0] for r in query(stack, "SELECT id FROM workers")] == ["w1"]
+
+
+# ---- quarantine -------------------------------------------------------------------------------
+
+
+def test_a_shard_that_keeps_killing_its_worker_is_quarantined(stack: Stack, tmp_path: Path) -> None:
+    deployment = Deployment(stack)
+    api, a, b = deployment.api, deployment.a, deployment.b
+    # one worker thread: a shard in flight with the poisoned one would share its fate
+    launcher = faulty("--fail-while-in-flight", "KILLS-THE-ENGINE")
+    w1 = stack.start_worker("w1", "echo", "--concurrency", "1", launcher=launcher)
+    poisoned = batch_lines(12, prefix="a")  # shards: lines 1-8 and 9-12
+    poisoned[1]["body"]["messages"][1]["content"] += " KILLS-THE-ENGINE"
+    a_id = submit(api, write_jsonl(tmp_path / "a.jsonl", poisoned), a)
+    others = batch_lines(16, prefix="b", system="Project B's system prompt.")
+    started = time.time()
+    b_id = submit(api, write_jsonl(tmp_path / "b.jsonl", others), b)
+
+    exits, b_done = [], None
+    deadline = time.time() + 240
+    while True:
+        a_batch = httpx.get(f"{api}/v1/batches/{a_id}", headers=a, timeout=10).json()
+        if b_done is None:
+            b_batch = httpx.get(f"{api}/v1/batches/{b_id}", headers=b, timeout=10).json()
+            if b_batch["status"] == "completed":
+                b_done = time.time() - started
+        if a_batch["status"] == "completed" and b_done is not None:
+            break
+        if w1.poll() is not None:  # the supervisor restarts it (compose: unless-stopped)
+            exits.append(w1.returncode)
+            w1 = stack.start_worker(
+                "w1", "echo", "--concurrency", "1", launcher=launcher, wait=False
+            )
+        assert time.time() < deadline, (a_batch, exits, stack.log("w1")[-3000:])
+        time.sleep(0.2)
+
+    assert exits == [ENGINE_FAILED_EXIT] * 3  # CONVEYOR_MAX_SHARD_ATTEMPTS, by default
+    assert a_batch["request_counts"] == {"total": 12, "completed": 4, "failed": 8}
+    got = assert_each_once(deployment.lines(a_batch, a), poisoned)
+    for i in range(12):
+        line = got[f"a-{i}"]
+        if i < 8:  # the poisoned request's shard
+            assert line["error"]["code"] == "request_quarantined", line
+            assert line["response"]["status_code"] == 500
+            assert "failed 3 times" in line["error"]["message"]
+            assert "CONVEYOR_MAX_SHARD_ATTEMPTS" in line["error"]["message"]
+        else:
+            assert line["error"] is None
+    assert "quarantined" in stack.log("w1")
+    b_batch = deployment.wait(b_id, b, timeout=10)
+    assert b_batch["request_counts"] == {"total": 16, "completed": 16, "failed": 0}
+    assert b_done < 60, b_done

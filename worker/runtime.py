@@ -179,10 +179,24 @@ class WorkerRuntime:
     def _run_shard(self, shard_id: int) -> str:
         if self.handing_back.is_set() or self.engine_failed.is_set():
             return "handed back"  # delivered during shutdown: leave it to another worker
+        settings = self.settings
         with self.ledger.session() as session:
-            claim = tr.claim_shard(session, shard_id, self.name)
+            claim = tr.claim_shard(
+                session,
+                shard_id,
+                self.name,
+                settings.max_shard_attempts,
+                settings.heartbeat_timeout,
+            )
         if claim is None:
             return "skipped"
+        if claim.quarantined:
+            log.warning(
+                "shard %s failed %d times: quarantined, its unfinished requests get error lines",
+                shard_id,
+                settings.max_shard_attempts,
+            )
+            return "quarantined"
         batch_id, model, requests = claim.batch_id, claim.model, claim.requests
         bind(batch_id=batch_id)
         log.info("shard %s: %d requests to run", shard_id, len(requests))
@@ -220,7 +234,7 @@ class WorkerRuntime:
         engine_ids = [job.request_id for job in jobs]
 
         if not requests:  # all done on an earlier run: the writer has nothing to close
-            self._finish_shard(shard_id, batch_id)
+            self._finish_shard(shard_id, batch_id, cleanly=True)
             return "done"
         while not tally.wait(self.settings.heartbeat_interval):
             if self.handing_back.is_set() or self.engine_failed.is_set():
@@ -245,10 +259,11 @@ class WorkerRuntime:
             return "handed back: the engine failed"
         if self.handing_back.is_set():
             log.info("shard %s: handing back its unfinished requests", shard_id)
-        self._finish_shard(shard_id, batch_id)  # what finished stays; the rest is queued again
+        # what finished stays; the rest is queued again, and this run counts as no failure
+        self._finish_shard(shard_id, batch_id, cleanly=True)
         return "handed back" if self.handing_back.is_set() else "stopped"
 
-    def _finish_shard(self, shard_id: int, batch_id: str) -> None:
+    def _finish_shard(self, shard_id: int, batch_id: str, cleanly: bool = False) -> None:
         delay = 0.2
         while True:
             try:
@@ -256,6 +271,8 @@ class WorkerRuntime:
                     tr.close_shards(
                         session, [(shard_id, batch_id)], self.settings.heartbeat_timeout
                     )
+                    if cleanly:
+                        tr.give_back_attempt(session, shard_id)
                 return
             except Exception:
                 log.warning("could not close shard %s; retrying in %.1fs", shard_id, delay)
