@@ -247,6 +247,7 @@ def test_what_the_engine_cannot_take_or_the_ledger_cannot_store_fails_alone(
     lines = completion_lines(6, prefix="a")
     lines[1]["body"]["prompt"] = "TOKENIZER-FAILS here"
     lines[4]["body"]["prompt"] = "ODD text"
+    lines[5]["body"]["prompt"] = "a NUL \x00 is text"  # storable: JSON escapes it
     a_id = submit(api, write_jsonl(tmp_path / "a.jsonl", lines), a, COMPLETIONS)
     others = batch_lines(20, prefix="b")
     b_id = submit(api, write_jsonl(tmp_path / "b.jsonl", others), b)
@@ -259,6 +260,7 @@ def test_what_the_engine_cannot_take_or_the_ledger_cannot_store_fails_alone(
     assert refused["response"]["status_code"] == 500
     assert "the engine failed on this request: TypeError" in refused["error"]["message"]
     assert got["a-4"]["response"]["body"]["choices"][0]["text"] == "ODD text \udc80"
+    assert got["a-5"]["response"]["body"]["choices"][0]["text"] == "a NUL \x00 is text"
     assert deployment.wait(b_id, b, timeout=30)["status"] == "completed"
     assert w1.poll() is None  # still up, and still announcing itself
     assert [r[0] for r in query(stack, "SELECT id FROM workers")] == ["w1"]

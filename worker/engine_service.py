@@ -139,7 +139,7 @@ class EngineService(threading.Thread):
     def _refuse(self, job: EngineJob, err: Exception) -> None:
         try:
             job.on_error(err)
-        except Exception:  # its shard waits for it; the reconciler re-runs the shard
+        except Exception:  # nothing is left to tell: its shard waits until it is stopped
             log.exception("request %s: its error could not be handed on", job.request_id)
 
     def _take_aborts(self) -> None:
