@@ -338,7 +338,8 @@ def _check_body_text(body: dict[str, Any], source_text: str | None) -> _BodyText
     deep = surrogates = True
     if source_text is not None:
         deep = source_text.count("[") + source_text.count("{") > MAX_JSON_DEPTH
-        surrogates = _SURROGATE_SOURCE.search(source_text) is not None
+        escaped = "\\u" in source_text or not source_text.isascii()  # cheap, then the regex
+        surrogates = escaped and _SURROGATE_SOURCE.search(source_text) is not None
     if not (deep or surrogates):
         return found
     # (value, path parts, depth); the line is level 1, its body level 2
