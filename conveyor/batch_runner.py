@@ -12,7 +12,6 @@ keeps this module free of torch imports until an engine is actually handed in.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from conveyor.openai_batch import (
     TokenDecoder,
     build_output_line,
     classify_engine_error,
+    dump_line,
     error_line_from_exception,
     peek_custom_id,
 )
@@ -138,7 +138,7 @@ class BatchRunner:
     # ---- output ---------------------------------------------------------------------------
     def _emit(self, obj: dict[str, Any], *, ok: bool) -> None:
         stream = self.out if ok else self.error_out
-        stream.write(json.dumps(obj, ensure_ascii=False) + "\n")
+        stream.write(dump_line(obj) + "\n")
         stream.flush()
         if ok:
             self.stats.succeeded += 1
@@ -173,6 +173,8 @@ class BatchRunner:
             self._emit_error(err)
             return
         except Exception as err:
+            with contextlib.suppress(Exception):  # whatever of it the engine kept
+                self.llm.abort(request_id)
             self._emit_error(
                 BatchRequestError(
                     f"internal error while adding the request: {type(err).__name__}: {err}",
@@ -189,6 +191,17 @@ class BatchRunner:
         """Write the result line of a finished engine request."""
         request = self.pending.pop(output.request_id, None)
         if request is None:
+            return
+        if (error := getattr(output, "error", None)) is not None:
+            self._emit_error(
+                BatchRequestError(
+                    f"the engine failed on this request: {error}",
+                    code=INTERNAL_ERROR,
+                    line=request.line,
+                    custom_id=request.custom_id,
+                    status_code=500,
+                )
+            )
             return
         try:
             line = build_output_line(request, output, self.model_name, self.decoder)

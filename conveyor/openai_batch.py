@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,11 @@ INVALID_PROMPT = "invalid_prompt"
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 CHAT_TEMPLATE_ERROR = "chat_template_error"
 INTERNAL_ERROR = "internal_error"
+INVALID_UNICODE = "invalid_unicode"
+REQUEST_QUARANTINED = "request_quarantined"
+
+# Deepest nesting of objects and arrays a batch line may have (the line itself is level 1).
+MAX_JSON_DEPTH = 64
 
 
 class BatchRequestError(Exception):
@@ -311,13 +317,86 @@ def _validation_message(err: ValidationError, prefix: str = "body") -> tuple[str
     return "; ".join(parts), first_param
 
 
+@dataclass
+class _BodyText:
+    too_deep: str | None = None  # the path of the first container past MAX_JSON_DEPTH
+    surrogate: tuple[str, str] | None = None  # (path, where) of the first lone surrogate
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # decoded text holds no valid pair
+# what JSON text needs to decode to a surrogate: an escape of one, or one as it is
+_SURROGATE_SOURCE = re.compile(r"\\u[dD][89a-fA-F]|[\ud800-\udfff]")
+
+
+def _check_body_text(body: dict[str, Any], source_text: str | None) -> _BodyText:
+    """Walk the body for nesting deeper than `MAX_JSON_DEPTH` and lone surrogates (which no
+    tokenizer, UTF-8 file or database column can take), in keys and values alike.
+
+    `body.model` is left to the ledger, which checks it with `custom_id` where it stores them.
+    """
+    found = _BodyText()
+    deep = surrogates = True
+    if source_text is not None:
+        deep = source_text.count("[") + source_text.count("{") > MAX_JSON_DEPTH
+        escaped = "\\u" in source_text or not source_text.isascii()  # cheap, then the regex
+        surrogates = escaped and _SURROGATE_SOURCE.search(source_text) is not None
+    if not (deep or surrogates):
+        return found
+    # (value, path parts, depth); the line is level 1, its body level 2
+    stack: list[tuple[Any, tuple[str | int, ...], int]] = [(body, ("body",), 2)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            found.too_deep = found.too_deep or _path_text(path)
+            break
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        children = []
+        for key, item in items:
+            if isinstance(item, dict | list):
+                children.append((item, (*path, key), depth + 1))
+            elif found.surrogate is None and not (depth == 2 and key == "model"):
+                if isinstance(item, str):
+                    found.surrogate = _surrogate_in(item, (*path, key))
+                if isinstance(key, str) and found.surrogate is None:
+                    found.surrogate = _surrogate_in(key, (*path, key), " in the field name")
+        stack.extend(reversed(children))  # depth first, in document order
+    return found
+
+
+def _surrogate_in(
+    text: str, path: tuple[str | int, ...], suffix: str = ""
+) -> tuple[str, str] | None:
+    match = _LONE_SURROGATE.search(text)
+    if match is None:
+        return None
+    return _path_text(path), f"\\u{ord(match.group()):04x} at character {match.start()}{suffix}"
+
+
+def _path_text(path: tuple[str | int, ...], limit: int = 300) -> str:
+    """`body.messages[0].content`; a field name that is not plain text is written escaped."""
+    text = ""
+    for part in path:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif part.isidentifier() and part.isascii() and len(part) <= 60:
+            text += f".{part}" if text else part
+        else:
+            text += f"[{json.dumps(part if len(part) <= 60 else part[:57] + '...')}]"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def parse_request_object(
     obj: Any,
     *,
     line: int | None = None,
     served_model_names: Iterable[str] | None = None,
+    source_text: str | None = None,
 ) -> ParsedRequest:
-    """Check one decoded batch line. Raises `BatchRequestError`."""
+    """Check one decoded batch line. Raises `BatchRequestError`.
+
+    `source_text`, the JSON text `obj` was decoded from, lets the body's walk for nesting and
+    lone surrogates be skipped when the text shows it cannot hold them.
+    """
 
     def fail(message: str, code: str = INVALID_REQUEST, param: str | None = None) -> NoReturn:
         raise BatchRequestError(message, code=code, line=line, custom_id=custom_id, param=param)
@@ -356,12 +435,25 @@ def parse_request_object(
     if not isinstance(body, dict):
         fail(f'"body" must be a JSON object, got {_describe(body)}', param="body")
 
+    text = _check_body_text(body, source_text)
+    if text.too_deep is not None:
+        path = text.too_deep
+        fail(f'"{path}" is nested deeper than {MAX_JSON_DEPTH} levels', param=path)
+
     model_cls = ChatCompletionBody if url == CHAT_URL else CompletionBody
     try:
         parsed = model_cls.model_validate(body)
     except ValidationError as err:
         message, param = _validation_message(err)
         fail(message, param=param)
+    if text.surrogate is not None:
+        path, where = text.surrogate
+        fail(
+            f'"{path}" is not valid Unicode: it holds a lone surrogate ({where}); a JSON '
+            "escape \\ud800-\\udbff must be followed by one of \\udc00-\\udfff",
+            INVALID_UNICODE,
+            path,
+        )
 
     if served_model_names is not None:
         names = list(served_model_names)
@@ -425,14 +517,22 @@ def parse_request_line(
         raise BatchRequestError(
             f"not valid JSON ({err.msg} at column {err.colno})", code=INVALID_JSON, line=line
         ) from None
-    return parse_request_object(obj, line=line, served_model_names=served_model_names)
+    except RecursionError:
+        raise BatchRequestError(
+            f"not valid JSON here: nested deeper than {MAX_JSON_DEPTH} levels",
+            code=INVALID_JSON,
+            line=line,
+        ) from None
+    return parse_request_object(
+        obj, line=line, served_model_names=served_model_names, source_text=text
+    )
 
 
 def peek_custom_id(text: str | bytes) -> str | None:
     """The line's `custom_id` if it is a JSON object that has a string one, else None."""
     try:
         obj = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return None
     if isinstance(obj, dict) and isinstance(obj.get("custom_id"), str):
         return obj["custom_id"]
@@ -786,6 +886,19 @@ def build_error_line(
     }
 
 
+def dump_line(obj: dict[str, Any]) -> str:
+    """A result or error line as JSON text that UTF-8 (a file, the ledger) can always hold:
+    text as it is, unless it has a lone surrogate (model text or an echoed prompt can), then
+    with every non-ASCII character escaped, which decodes to the same line."""
+    text = json.dumps(obj, ensure_ascii=False)
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return json.dumps(obj)
+    return text
+
+
 def error_line_from_exception(err: BatchRequestError) -> dict[str, Any]:
     return build_error_line(
         err.custom_id,
@@ -870,6 +983,7 @@ __all__ = [
     "chat_logprobs",
     "classify_engine_error",
     "completion_logprobs",
+    "dump_line",
     "error_line_from_exception",
     "parse_request_line",
     "parse_request_object",

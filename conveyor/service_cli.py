@@ -99,6 +99,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
         upgrade(settings.db_url)
     from worker.main import consume, start_runtime
+    from worker.runtime import ENGINE_FAILED_EXIT
 
     try:
         runtime = start_runtime(
@@ -112,7 +113,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         consume(runtime, args.concurrency, args.loglevel)
     finally:
         runtime.stop()
-    return 0
+    return ENGINE_FAILED_EXIT if runtime.engine_failed.is_set() else 0
 
 
 # ---- serve -----------------------------------------------------------------------------------
@@ -172,6 +173,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
 
     from worker.main import consume, start_runtime
+    from worker.runtime import ENGINE_FAILED_EXIT
 
     model = args.model
     if model is None:
@@ -198,7 +200,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.should_exit = True
         thread.join(timeout=10)
         runtime.stop()
-    return 0
+    return ENGINE_FAILED_EXIT if runtime.engine_failed.is_set() else 0
 
 
 def _log_setup(level: str) -> None:

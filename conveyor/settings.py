@@ -58,6 +58,8 @@ class Settings:
     # on SIGTERM a worker's running shards get this long before they are handed back
     shutdown_timeout: float = 60.0
     log_format: str = "text"  # or "json": one object per line, with batch/shard/request ids
+    # a shard whose worker failed this many times while running it is not run again
+    max_shard_attempts: int = 3
 
     def __post_init__(self) -> None:
         if self.auth not in AUTH_MODES:
@@ -65,6 +67,10 @@ class Settings:
         if self.log_format not in ("text", "json"):
             raise ValueError(
                 f"CONVEYOR_LOG_FORMAT must be 'text' or 'json', got {self.log_format!r}"
+            )
+        if self.max_shard_attempts < 1:
+            raise ValueError(
+                f"CONVEYOR_MAX_SHARD_ATTEMPTS must be at least 1, got {self.max_shard_attempts}"
             )
 
     @classmethod
@@ -88,6 +94,7 @@ class Settings:
             max_batches_in_flight=_env_int("CONVEYOR_MAX_BATCHES_IN_FLIGHT", 0),
             shutdown_timeout=_env_float("CONVEYOR_SHUTDOWN_TIMEOUT", 60.0),
             log_format=(os.environ.get("CONVEYOR_LOG_FORMAT") or "text").strip().lower(),
+            max_shard_attempts=_env_int("CONVEYOR_MAX_SHARD_ATTEMPTS", 3),
         )
 
     @property

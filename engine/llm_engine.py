@@ -260,18 +260,57 @@ class LLMEngine:
         sampled = self.sampler(logits, [self._sample_request(s) for s in seqs])
 
         finished: list[RequestOutput] = []
+        failed: set[str] = set()
         now = time.monotonic()
         for i, seq in enumerate(seqs):
-            self._append_token(seq, sampled.token_ids[i], sampled.logprobs[i])
-            if seq.request.metrics.first_token_time is None:
-                seq.request.metrics.first_token_time = now
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
-                request = seq.request
-                if request.is_finished and request.request_id in self.requests:
-                    del self.requests[request.request_id]
-                    finished.append(self._request_output(request))
+            request = seq.request
+            if request.request_id in failed:
+                continue
+            # what one request's tokens, text or output does to the engine must stay its own
+            try:
+                self._append_token(seq, sampled.token_ids[i], sampled.logprobs[i])
+                if request.metrics.first_token_time is None:
+                    request.metrics.first_token_time = now
+                if seq.finish_reason is not None:
+                    self.scheduler.finish(seq)
+                    if request.is_finished and request.request_id in self.requests:
+                        finished.append(self._request_output(request))
+                        del self.requests[request.request_id]
+            except Exception as err:
+                failed.add(request.request_id)
+                finished.append(self._fail_request(request, err))
         return finished
+
+    def _fail_request(self, request: Request, err: Exception) -> RequestOutput:
+        """End `request` on an error of its own: free its sequences, report what it had."""
+        self.requests.pop(request.request_id, None)
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "error"
+                self.scheduler.finish(seq)
+        request.metrics.finished_time = time.monotonic()
+        outputs = [
+            CompletionOutput(
+                index=seq.index,
+                text="",
+                token_ids=seq.output_token_ids,
+                cumulative_logprob=None,
+                logprobs=None,
+                finish_reason="error",
+            )
+            for seq in sorted(request.seqs, key=lambda s: s.index)
+        ]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=outputs,
+            finished=True,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            metrics=request.metrics,
+            error=f"{type(err).__name__}: {err}",
+        )
 
     def _seqs_needing_prompt_logprobs(self, scheduled: list[ScheduledSeq]) -> set[int]:
         return {

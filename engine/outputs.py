@@ -15,7 +15,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[TokenLogprobs] | None
-    finish_reason: str | None  # "stop" | "length" | "abort"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
 
@@ -47,3 +47,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # why the engine gave up on this request alone ("TypeError: ..."); its outputs then end
+    # with finish_reason "error" and hold what was generated before
+    error: str | None = None

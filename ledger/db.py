@@ -2,12 +2,35 @@
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, event
+import psycopg
+from sqlalchemy import Engine, create_engine, event, exc
 from sqlalchemy.orm import Session, sessionmaker
+
+# the database is away, restarting or busy (PostgreSQL's serialization failures and
+# deadlocks are operational errors, SQLite's "database is locked" too)
+_TRANSIENT = (
+    exc.OperationalError,
+    exc.InterfaceError,
+    exc.DisconnectionError,
+    exc.TimeoutError,  # no pooled connection came free
+    psycopg.OperationalError,
+    psycopg.InterfaceError,
+    sqlite3.OperationalError,
+    ConnectionError,
+)
+
+
+def is_transient(err: BaseException) -> bool:
+    """Whether `err` says the database could not be reached or asked for a retry, so the same
+    statements may succeed later, rather than that what they wrote is wrong."""
+    if isinstance(err, exc.DBAPIError) and err.connection_invalidated:
+        return True
+    return isinstance(err, _TRANSIENT) or isinstance(getattr(err, "orig", None), _TRANSIENT)
 
 
 def make_engine(url: str, pre_ping: bool = True) -> Engine:

@@ -52,7 +52,15 @@ _CLAIM_SHARD = (
         _shards.c.index,
         _shards.c.prefix_key,
         select(_batches.c.model).where(_batches.c.id == _shards.c.batch_id).scalar_subquery(),
+        _shards.c.attempts,
     )
+)
+# a run that ended cleanly (handed back on SIGTERM, its batch cancelled or expired) is no
+# failure of the shard's: its claim does not count
+_GIVE_BACK_ATTEMPT = (
+    update(_shards)
+    .where(_shards.c.id == bindparam("shard_id"), _shards.c.attempts > 0)
+    .values(attempts=_shards.c.attempts - 1)
 )
 _HAS_RESULT = select(_results.c.seq).where(_results.c.request_id == _requests.c.id).exists()
 _TAKE_REQUESTS = (
@@ -425,11 +433,24 @@ class ClaimedShard:
     model: str
     prefix_key: str
     requests: list[tuple[int, int, str]]  # (request id, line number, raw line) without results
+    quarantined: bool = False  # not to be run: its requests got error lines, it is closed
 
 
-def claim_shard(session: Session, shard_id: int, worker: str) -> ClaimedShard | None:
+def claim_shard(
+    session: Session,
+    shard_id: int,
+    worker: str,
+    max_attempts: int | None = None,
+    heartbeat_timeout: float = 30.0,
+) -> ClaimedShard | None:
     """Start a shard: mark it running and take its requests that have no result yet (counting
     the attempt on each). None if its batch no longer wants it run.
+
+    Every run of a shard counts as an attempt until it ends cleanly (`give_back_attempt`): a
+    shard claimed again after `max_attempts` runs that failed (their worker died or its engine
+    failed) is quarantined instead, here, whatever sent it again: its unfinished requests get
+    `request_quarantined` error lines and it closes (`heartbeat_timeout` is for finishing its
+    batch).
 
     Two statements and no ORM objects: this runs once per shard, on the worker's hot path."""
     conn = session.connection()
@@ -437,12 +458,56 @@ def claim_shard(session: Session, shard_id: int, worker: str) -> ClaimedShard | 
     claimed = conn.execute(_CLAIM_SHARD, {"shard_id": shard_id, "by": worker, "now": now}).first()
     if claimed is None:
         return None
-    batch_id, index, prefix_key, model = claimed
+    batch_id, index, prefix_key, model, attempts = claimed
+    if max_attempts is not None and attempts > max_attempts:
+        _quarantine(session, shard_id, batch_id, index, max_attempts, heartbeat_timeout)
+        return ClaimedShard(shard_id, batch_id, index, model or "", prefix_key, [], True)
     rows = conn.execute(
         _TAKE_REQUESTS, {"of_batch": batch_id, "of_shard": index, "by": worker, "now": now}
     ).all()
     requests = sorted((int(i), int(line), raw) for i, line, raw in rows)
     return ClaimedShard(shard_id, batch_id, index, model or "", prefix_key, requests)
+
+
+def _quarantine(
+    session: Session,
+    shard_id: int,
+    batch_id: str,
+    index: int,
+    failures: int,
+    heartbeat_timeout: float,
+) -> None:
+    message = (
+        f"this request was not run: the worker running its shard failed {failures} times "
+        f"while running it (CONVEYOR_MAX_SHARD_ATTEMPTS={failures}), so the shard is not run "
+        "again; a request in it may make the engine fail"
+    )
+    now = time.time()
+    rows = []
+    for req in unfinished_requests(session, batch_id, index):
+        line = ob.build_error_line(
+            req.custom_id, ob.REQUEST_QUARANTINED, message, line=req.line, status_code=500
+        )
+        line["id"] = new_line_id()
+        rows.append(
+            dict(
+                request_id=req.id,
+                batch_id=batch_id,
+                line_id=line["id"],
+                ok=False,
+                output=json.dumps(line),
+                created_at=now,
+            )
+        )
+    for start in range(0, len(rows), 2000):
+        record_results(session, rows[start : start + 2000])
+    close_shards(session, [(shard_id, batch_id)], heartbeat_timeout)
+
+
+def give_back_attempt(session: Session, shard_id: int) -> None:
+    """The shard's last run ended cleanly, not by a failure: its claim does not count toward
+    quarantine."""
+    session.connection().execute(_GIVE_BACK_ATTEMPT, {"shard_id": shard_id})
 
 
 def shard_heartbeat(session: Session, shard_id: int) -> str | None:

@@ -242,10 +242,13 @@ class Stack:
     procs: list[subprocess.Popen] = field(default_factory=list)
     workers: dict[str, subprocess.Popen] = field(default_factory=dict)
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(
+        self, name: str, args: list[str], launcher: list[str] | None = None
+    ) -> subprocess.Popen:
+        """Run `conveyor ARGS`, or `python LAUNCHER... ARGS` (a test's own entry point)."""
         log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 (lives as long as the process)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "conveyor", *args],
+            [sys.executable, *(launcher or ["-m", "conveyor"]), *args],
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -276,12 +279,18 @@ class Stack:
         raise RuntimeError(f"the API did not start:\n{self.log('api')}")
 
     def start_worker(
-        self, name: str, model: str | Path, *extra: str, served: str = "tiny", wait: bool = True
+        self,
+        name: str,
+        model: str | Path,
+        *extra: str,
+        served: str = "tiny",
+        wait: bool = True,
+        launcher: list[str] | None = None,
     ) -> subprocess.Popen:
         args = ["worker", "--model", str(model), "--name", name, "--loglevel", "INFO", *extra]
         if served:
             args += ["--served-model-name", served]
-        proc = self._spawn(name, args)
+        proc = self._spawn(name, args, launcher)
         self.workers[name] = proc
         if wait:
             self.wait_worker_ready(name)

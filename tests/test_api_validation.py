@@ -427,6 +427,31 @@ def test_bad_value_with_a_lone_surrogate(api: str):
     }
 
 
+def test_text_with_a_lone_surrogate_fails_alone(api: str):
+    """Text no tokenizer or database can take is refused at the door: the line gets its error,
+    naming the field, and the rest of the batch runs."""
+    deep: list = []
+    for _ in range(70):
+        deep = [deep]
+    lines = [chat("a"), chat("b"), chat("c", user=deep), chat("d")]
+    lines[1]["body"]["messages"][0]["content"] = "\ud800"
+    batch = batch_from(api, lines)
+    assert batch["status"] == "in_progress", batch
+    assert batch["request_counts"] == {"total": 4, "completed": 0, "failed": 2}
+    errors = {e["custom_id"]: e for e in results(api, batch["id"])}
+    assert set(errors) == {"b", "c"}
+    b, c = errors["b"], errors["c"]
+    assert (b["error"]["code"], b["error"]["param"], b["error"]["line"]) == (
+        "invalid_unicode",
+        "body.messages[0].content",
+        2,
+    )
+    assert b["response"]["status_code"] == 400 and "\\ud800" in b["error"]["message"]
+    assert (c["error"]["code"], c["error"]["line"]) == ("invalid_request", 3)
+    assert c["error"]["param"].startswith("body.user[0]")
+    assert "deeper than 64 levels" in c["error"]["message"]
+
+
 def test_mistake_with_a_lone_surrogate_fails_the_batch(api: str):
     """A batch-fatal message that quotes a lone surrogate is stored in `errors`."""
     batch = batch_from(api, [chat("a"), {**chat("b"), "method": "\udc80"}])

@@ -234,3 +234,59 @@ def test_a_cancelled_batch_gives_no_shard_to_run(any_ledger: Ledger):
     with any_ledger.session() as session:
         assert tr.claim_shard(session, shards[0][0], "w1") is None
         assert session.get(ShardRow, shards[0][0]).attempts == 0
+
+
+def test_a_shard_that_keeps_failing_is_quarantined(any_ledger: Ledger):
+    """Runs that end cleanly do not count; after `max_attempts` failed runs the next claim,
+    whatever sent the shard again, gives its unfinished requests error lines and closes it."""
+    lines = batch_lines(5)
+    batch_id, [(shard_id, _, _)] = make_batch(any_ledger, lines, shard_size=5)
+
+    def claim() -> tr.ClaimedShard | None:
+        with any_ledger.session() as session:
+            return tr.claim_shard(session, shard_id, "w1", max_attempts=2, heartbeat_timeout=60)
+
+    def attempts() -> int:
+        with any_ledger.session() as session:
+            return session.get(ShardRow, shard_id).attempts
+
+    first = claim()
+    assert first is not None and len(first.requests) == 5 and not first.quarantined
+    with any_ledger.session() as session:  # two results, then a clean hand-back (SIGTERM)
+        tr.record_results(session, [result_row(batch_id, r[0]) for r in first.requests[:2]])
+        tr.close_shards(session, [(shard_id, batch_id)], 60)
+        tr.give_back_attempt(session, shard_id)
+    assert attempts() == 0
+    for failures in (1, 2):  # runs whose worker died: re-sent without a close
+        again = claim()
+        assert again is not None and len(again.requests) == 3 and not again.quarantined
+        assert attempts() == failures
+    quarantined = claim()
+    assert quarantined is not None and quarantined.quarantined and quarantined.requests == []
+    with any_ledger.session() as session:
+        shard = session.get(ShardRow, shard_id)
+        batch = session.get(BatchRow, batch_id)
+        errors = [
+            json.loads(output)
+            for output in session.execute(
+                sa.select(ResultRow.output).where(ResultRow.ok.is_(False))
+            ).scalars()
+        ]
+        assert shard.status == "done"
+        assert batch.status == "completed"  # its last shard: the batch finished
+        assert (batch.completed_count, batch.failed_count) == (2, 3)
+        assert tr.counts(batch) == tally_results(session, batch_id)
+    taken = {r[0] for r in first.requests[2:]}
+    assert len(errors) == 3
+    for error in errors:
+        assert error["error"]["code"] == "request_quarantined"
+        assert error["response"]["status_code"] == 500
+        assert "failed 2 times" in error["error"]["message"]
+        assert "CONVEYOR_MAX_SHARD_ATTEMPTS=2" in error["error"]["message"]
+    assert sorted(e["error"]["line"] for e in errors) == sorted(
+        line for rid, line, _ in first.requests if rid in taken
+    )
+    assert {e["custom_id"] for e in errors} == {
+        lines[line - 1]["custom_id"] for rid, line, _ in first.requests if rid in taken
+    }
+    assert claim() is None  # a finished batch runs nothing

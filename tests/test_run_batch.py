@@ -203,6 +203,76 @@ def test_bytes_that_are_not_utf8() -> None:
     assert "not valid UTF-8" in str(err)
 
 
+@pytest.mark.parametrize(
+    ("text", "param", "where"),
+    [
+        (chat_line("a", "\ud800"), "body.messages[0].content", "\\ud800 at character 0"),
+        (completion_line("a", "ok \udfff"), "body.prompt", "\\udfff at character 3"),
+        (
+            chat_line("a", [{"type": "text", "text": "x"}, {"type": "text", "text": "y\udc00"}]),
+            "body.messages[0].content[1].text",
+            "\\udc00 at character 1",
+        ),
+        (chat_line("a", stop=["ok", "\udbff"]), "body.stop[1]", "\\udbff"),
+        (chat_line("a", user="\ud800"), "body.user", "\\ud800"),  # ignored fields too
+        (chat_line("a", **{"n\udc00": 1}), 'body["n\\udc00"]', "in the field name"),
+        # the escape written by hand in the JSON text, in either case
+        (chat_line("a", "x").replace('"x"', '"x\\uDFFF"'), "body.messages[0].content", "\\udfff"),
+    ],
+    ids=["chat", "prompt", "part", "stop", "unknown-field", "key", "raw-escape"],
+)
+def test_lone_surrogates_fail_their_line(text: str, param: str, where: str) -> None:
+    """A tokenizer, a UTF-8 file and the ledger all fail on a lone surrogate: the line is
+    refused where it is validated, naming the field."""
+    err = parse_error(text)
+    assert (err.code, err.param, err.custom_id, err.status_code) == (
+        "invalid_unicode",
+        param,
+        "a",
+        400,
+    )
+    assert where in str(err) and "not valid Unicode" in str(err)
+    assert str(err).isascii()  # the message itself can be stored and written anywhere
+    # the same check when the line comes in decoded, with no text to pre-test
+    with pytest.raises(BatchRequestError) as info:
+        parse_request_object(json.loads(text))
+    assert (info.value.code, info.value.param) == ("invalid_unicode", param)
+
+
+def test_text_that_is_valid_unicode_passes() -> None:
+    pair = chat_line("a", "\U0001f600 and PAIR with a NUL \x00").replace("PAIR", "\\ud83d\\ude00")
+    assert parse_request_line(pair).messages == [
+        {"role": "user", "content": "\U0001f600 and \U0001f600 with a NUL \x00"}
+    ]
+    # body.model is checked by the ledger where it is stored (tests/test_api_validation.py)
+    model = line("a", CHAT_URL, {"model": "m\ud800", "messages": [{"role": "user", "content": ""}]})
+    assert parse_request_line(model).model == "m\ud800"
+
+
+def test_a_type_error_is_reported_before_a_lone_surrogate() -> None:
+    err = parse_error(chat_line("a", temperature="\ud800"))
+    assert (err.code, err.param) == ("invalid_request", "body.temperature")
+
+
+def test_nesting_is_bounded() -> None:
+    def nested(levels: int) -> Any:
+        value: Any = []
+        for _ in range(levels - 1):
+            value = [value]
+        return value
+
+    # the line is level 1 and its body level 2: 62 more levels fit
+    assert parse_request_line(chat_line("a", user=nested(62))).custom_id == "a"
+    err = parse_error(chat_line("a", user=nested(63)))
+    assert (err.code, err.custom_id) == ("invalid_request", "a")
+    assert err.param == "body.user" + "[0]" * 62 and "deeper than 64 levels" in str(err)
+    # too deep for the JSON parser itself: not a crash, an invalid_json line
+    deep = '{"custom_id": "a", "body": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    err = parse_error(deep)
+    assert err.code == "invalid_json" and err.custom_id is None
+    assert "nested deeper than" in str(err)
+
+
 # ------------------------------------------------------------------------------------------------
 # Parsing: mapping to SamplingParams keyword arguments
 # ------------------------------------------------------------------------------------------------
@@ -831,3 +901,49 @@ def test_runner_reports_requests_the_engine_lost(tmp_path: Path) -> None:
     (row,) = [json.loads(x) for x in out.getvalue().splitlines()]
     assert row["custom_id"] == "a" and row["error"]["code"] == "internal_error"
     assert (stats.succeeded, stats.failed) == (0, 1)
+
+
+def test_runner_writes_lines_that_hold_lone_surrogates(tmp_path: Path) -> None:
+    """Model text (or a message quoting input) with a lone surrogate cannot be written as
+    UTF-8: the line is written with ASCII escapes instead, and reads back the same."""
+    from conveyor.batch_runner import BatchRunner
+
+    class SurrogateEngine(ScriptedEngine):
+        def step(self) -> list[Any]:
+            (out,) = super().step()
+            out.outputs[0].text = "ok \udc80"
+            return [out]
+
+    path = tmp_path / "out.jsonl"
+    lines = [
+        (1, completion_line("a", "x").encode()),
+        (2, line("b", COMPLETIONS_URL, {"model": "m\ud800", "prompt": "x"}).encode()),
+        (3, completion_line("c", "é").encode()),
+    ]
+    with open(path, "w", encoding="utf-8") as out:
+        runner = BatchRunner(
+            SurrogateEngine(),
+            sampling_params_cls=dict,
+            model_name="m",
+            out=out,
+            served_model_names=["m"],
+        )
+        stats = runner.run(lines)
+    assert (stats.succeeded, stats.failed) == (2, 1)
+    rows = {r["custom_id"]: r for r in read_jsonl(path)}
+    assert rows["a"]["response"]["body"]["choices"][0]["text"] == "ok \udc80"
+    assert (
+        rows["b"]["error"]["code"] == "model_not_found"
+        and "\ud800" in rows["b"]["error"]["message"]
+    )
+    assert rows["c"]["response"]["body"]["choices"][0]["text"] == "ok \udc80"
+    text = path.read_text(encoding="utf-8")
+    assert "\\udc80" in text and "\\ud800" in text
+
+
+def test_dump_line_keeps_text_unless_it_cannot_be_utf8() -> None:
+    from conveyor.openai_batch import dump_line
+
+    assert dump_line({"t": "é 😀"}) == '{"t": "é 😀"}'
+    assert dump_line({"t": "é \ud800"}) == '{"t": "\\u00e9 \\ud800"}'
+    assert json.loads(dump_line({"t": "é \ud800"})) == {"t": "é \ud800"}

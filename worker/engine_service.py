@@ -4,10 +4,14 @@ The engine is not thread-safe, so only the loop thread touches it: tasks put job
 queues, and the loop adds them between steps. A step's batch mixes requests of every shard
 (and every batch) in flight in the process. Finished requests go to each job's callback from
 the loop thread, which must return quickly (it hands the output to the result writer).
+
+What goes wrong with one request (the engine refuses it, a callback raises) is that job's error
+alone; only an error of the engine itself (a step that raises) ends the loop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -25,7 +29,9 @@ class EngineJob:
     prompt: str | list[int]
     params: Any
     on_done: Callable[[Any], None]  # called with the engine's RequestOutput
-    on_error: Callable[[Exception], None]  # called if the engine refuses the request
+    # called if the engine refuses the request (a ValueError says the request is bad; any
+    # other exception is the engine's) or `on_done` raised
+    on_error: Callable[[Exception], None]
 
     @staticmethod
     def batch_of(request_id: str) -> str:
@@ -33,9 +39,12 @@ class EngineJob:
 
 
 class EngineService(threading.Thread):
-    def __init__(self, engine: Any) -> None:
+    def __init__(
+        self, engine: Any, on_failure: Callable[[BaseException], None] | None = None
+    ) -> None:
         super().__init__(name="conveyor-engine", daemon=True)
         self.engine = engine
+        self.on_failure = on_failure  # called from the loop thread as the loop dies
         self.inbox: queue.SimpleQueue[EngineJob] = queue.SimpleQueue()
         self.aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.jobs: dict[str, EngineJob] = {}
@@ -84,11 +93,16 @@ class EngineService(threading.Thread):
                 for output in finished:
                     job = self.jobs.pop(output.request_id, None)
                     if job is not None and getattr(output, "finished", True):
-                        job.on_done(output)
+                        self._deliver(job, output)
                 self.steps += 1
         except BaseException as err:  # the engine broke: the process must not look healthy
             self.failure = err
             log.exception("the engine loop failed")
+            if self.on_failure is not None:
+                try:
+                    self.on_failure(err)
+                except Exception:
+                    log.exception("could not act on the engine's failure")
             raise
 
     def _take_jobs(self) -> None:
@@ -99,10 +113,34 @@ class EngineService(threading.Thread):
                 return
             try:
                 self.engine.add_request(job.request_id, job.prompt, job.params)
-            except ValueError as err:
-                job.on_error(err)
+            except ValueError as err:  # the request is bad (too long, ...): the engine is fine
+                self._refuse(job, err)
+                continue
+            except Exception as err:
+                log.warning(
+                    "the engine could not take request %s: %s: %s",
+                    job.request_id,
+                    type(err).__name__,
+                    err,
+                )
+                with contextlib.suppress(Exception):  # whatever of it the engine kept
+                    self.engine.abort(job.request_id)
+                self._refuse(job, err)
                 continue
             self.jobs[job.request_id] = job
+
+    def _deliver(self, job: EngineJob, output: Any) -> None:
+        try:
+            job.on_done(output)
+        except Exception as err:
+            log.exception("request %s: its result could not be handed on", job.request_id)
+            self._refuse(job, err)
+
+    def _refuse(self, job: EngineJob, err: Exception) -> None:
+        try:
+            job.on_error(err)
+        except Exception:  # nothing is left to tell: its shard waits until it is stopped
+            log.exception("request %s: its error could not be handed on", job.request_id)
 
     def _take_aborts(self) -> None:
         while True:

@@ -7,9 +7,9 @@ feeds the one engine. `run_shard` is the task body.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -33,6 +33,10 @@ from worker.reconciler import ReconcilerLoop, reconcile
 from worker.writer import ResultWriter, ShardTally, WriteItem
 
 log = logging.getLogger(__name__)
+
+# the exit status of a worker whose engine failed (sysexits' EX_SOFTWARE): its supervisor
+# restarts it
+ENGINE_FAILED_EXIT = 70
 
 _runtime: WorkerRuntime | None = None
 
@@ -64,7 +68,7 @@ class WorkerRuntime:
         # no ping per checkout: every ledger call here retries or is re-run by the reconciler
         self.ledger = Ledger(settings.db_url, pre_ping=False)
         self.app = make_celery(settings)
-        self.service = EngineService(engine)
+        self.service = EngineService(engine, on_failure=self._engine_failed)
         self.metrics = WorkerMetrics(engine, self.model_names[0])
         self.writer = ResultWriter(
             self.ledger, settings.heartbeat_timeout, on_lag=self.metrics.writer_lag.observe
@@ -74,6 +78,9 @@ class WorkerRuntime:
         self.stopped = threading.Event()
         # set by a SIGTERM's deadline: running shards abort what is left and go back to queued
         self.handing_back = threading.Event()
+        # set when the engine loop died: running shards go back, the process exits
+        self.engine_failed = threading.Event()
+        self._registration = threading.Lock()  # a heartbeat cannot revive a withdrawn row
         self.heartbeat = threading.Thread(
             target=self._heartbeat_loop, daemon=True, name="conveyor-worker-heartbeat"
         )
@@ -99,24 +106,48 @@ class WorkerRuntime:
         self.service.stop()
         self.writer.stop()
         self.writer.join(timeout=30)
-        try:
-            with self.ledger.session() as session:
-                session.execute(delete(WorkerRow).where(WorkerRow.id == self.name))
-        except Exception:
-            log.warning("could not deregister worker %s", self.name)
+        self._withdraw()
 
     def _register(self) -> None:
-        with self.ledger.session() as session:
-            session.merge(
-                WorkerRow(
-                    id=self.name,
-                    models=self.model_names,
-                    queues=self.queues,
-                    started_at=self.started_at,
-                    last_seen=time.time(),
-                    stats=self.stats(),
+        with self._registration:
+            if self.engine_failed.is_set():
+                return
+            with self.ledger.session() as session:
+                session.merge(
+                    WorkerRow(
+                        id=self.name,
+                        models=self.model_names,
+                        queues=self.queues,
+                        started_at=self.started_at,
+                        last_seen=time.time(),
+                        stats=self.stats(),
+                    )
                 )
-            )
+
+    def _withdraw(self) -> None:
+        """No longer announce this worker: `GET /v1/models` and shard routing drop it."""
+        with self._registration:
+            try:
+                with self.ledger.session() as session:
+                    session.execute(delete(WorkerRow).where(WorkerRow.id == self.name))
+            except Exception:
+                log.warning("could not deregister worker %s", self.name)
+
+    def _engine_failed(self, err: BaseException) -> None:
+        """The engine loop died (called from its thread): stop announcing this worker, and
+        shut down as on SIGTERM; the running shards see the failure and hand their unfinished
+        requests back, and `conveyor worker` then exits with ENGINE_FAILED_EXIT."""
+        log.error(
+            "the engine failed (%s: %s): worker %s withdraws, hands its shards back and exits "
+            "with status %d",
+            type(err).__name__,
+            err,
+            self.name,
+            ENGINE_FAILED_EXIT,
+        )
+        self.engine_failed.set()
+        self._withdraw()
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def _heartbeat_loop(self) -> None:
         while not self.stopped.wait(min(5.0, self.settings.heartbeat_interval * 2)):
@@ -146,12 +177,26 @@ class WorkerRuntime:
             return self._run_shard(shard_id)
 
     def _run_shard(self, shard_id: int) -> str:
-        if self.handing_back.is_set():  # delivered during shutdown: leave it to another worker
-            return "handed back"
+        if self.handing_back.is_set() or self.engine_failed.is_set():
+            return "handed back"  # delivered during shutdown: leave it to another worker
+        settings = self.settings
         with self.ledger.session() as session:
-            claim = tr.claim_shard(session, shard_id, self.name)
+            claim = tr.claim_shard(
+                session,
+                shard_id,
+                self.name,
+                settings.max_shard_attempts,
+                settings.heartbeat_timeout,
+            )
         if claim is None:
             return "skipped"
+        if claim.quarantined:
+            log.warning(
+                "shard %s failed %d times: quarantined, its unfinished requests get error lines",
+                shard_id,
+                settings.max_shard_attempts,
+            )
+            return "quarantined"
         batch_id, model, requests = claim.batch_id, claim.model, claim.requests
         bind(batch_id=batch_id)
         log.info("shard %s: %d requests to run", shard_id, len(requests))
@@ -164,7 +209,18 @@ class WorkerRuntime:
                 ob.apply_max_tokens_cap(parsed, self.settings.max_tokens_cap)
                 prompt, params = prepare_request(self.engine, parsed, self.sampling_params_cls)
             except ob.BatchRequestError as err:
-                self._write(batch_id, request_id, ob.error_line_from_exception(err), tally)
+                self._write(
+                    batch_id, request_id, ob.error_line_from_exception(err), tally, number=line
+                )
+                continue
+            except Exception as err:  # a fault of ours with this line: it fails alone
+                log.exception("shard %s: request %s could not be prepared", shard_id, request_id)
+                custom_id = ob.peek_custom_id(raw)
+                message = f"could not prepare this request: {type(err).__name__}: {err}"
+                error = ob.build_error_line(
+                    custom_id, ob.INTERNAL_ERROR, message, line=line, status_code=500
+                )
+                self._write(batch_id, request_id, error, tally, number=line)
                 continue
             job = EngineJob(
                 f"{batch_id}:{request_id}",
@@ -178,12 +234,10 @@ class WorkerRuntime:
         engine_ids = [job.request_id for job in jobs]
 
         if not requests:  # all done on an earlier run: the writer has nothing to close
-            self._finish_shard(shard_id, batch_id)
+            self._finish_shard(shard_id, batch_id, cleanly=True)
             return "done"
         while not tally.wait(self.settings.heartbeat_interval):
-            if self.service.failure is not None:
-                raise RuntimeError("the engine loop failed") from self.service.failure
-            if self.handing_back.is_set():
+            if self.handing_back.is_set() or self.engine_failed.is_set():
                 break
             try:
                 with self.ledger.session() as session:
@@ -197,12 +251,19 @@ class WorkerRuntime:
             return "done"  # the writer closed the shard with its last result
         tally.take_over()
         self.service.abort(engine_ids)
+        if self.engine_failed.is_set():
+            log.warning("shard %s: the engine failed; handing back what is unfinished", shard_id)
+            # what the engine finished before is committed first, so no run repeats it
+            self.writer.drain(timeout=max(5.0, self.settings.heartbeat_timeout))
+            self._finish_shard(shard_id, batch_id)
+            return "handed back: the engine failed"
         if self.handing_back.is_set():
             log.info("shard %s: handing back its unfinished requests", shard_id)
-        self._finish_shard(shard_id, batch_id)  # what finished stays; the rest is queued again
+        # what finished stays; the rest is queued again, and this run counts as no failure
+        self._finish_shard(shard_id, batch_id, cleanly=True)
         return "handed back" if self.handing_back.is_set() else "stopped"
 
-    def _finish_shard(self, shard_id: int, batch_id: str) -> None:
+    def _finish_shard(self, shard_id: int, batch_id: str, cleanly: bool = False) -> None:
         delay = 0.2
         while True:
             try:
@@ -210,6 +271,8 @@ class WorkerRuntime:
                     tr.close_shards(
                         session, [(shard_id, batch_id)], self.settings.heartbeat_timeout
                     )
+                    if cleanly:
+                        tr.give_back_attempt(session, shard_id)
                 return
             except Exception:
                 log.warning("could not close shard %s; retrying in %.1fs", shard_id, delay)
@@ -218,18 +281,18 @@ class WorkerRuntime:
 
     # ---- results (called from the engine thread) -------------------------------------------
     def _on_done(self, batch_id, request_id, parsed, model, tally, output) -> None:
+        if (error := getattr(output, "error", None)) is not None:
+            line = self._internal_error(parsed, f"the engine failed on this request: {error}")
+            self._write(batch_id, request_id, line, tally, number=parsed.line)
+            return
         self.metrics.observe_request(output)
         try:
             line = ob.build_output_line(parsed, output, model, self.decoder)
         except Exception as err:
-            line = ob.build_error_line(
-                parsed.custom_id,
-                ob.INTERNAL_ERROR,
-                f"could not format the result: {type(err).__name__}: {err}",
-                line=parsed.line,
-                status_code=500,
+            line = self._internal_error(
+                parsed, f"could not format the result: {type(err).__name__}: {err}"
             )
-            self._write(batch_id, request_id, line, tally)
+            self._write(batch_id, request_id, line, tally, number=parsed.line)
             return
         completion = sum(len(c.token_ids) for c in output.outputs)
         self._write(
@@ -237,6 +300,7 @@ class WorkerRuntime:
             request_id,
             line,
             tally,
+            number=parsed.line,
             ok=True,
             prompt_tokens=len(output.prompt_token_ids or []),
             completion_tokens=0 if parsed.drop_generation else completion,
@@ -244,22 +308,33 @@ class WorkerRuntime:
         )
 
     def _on_refused(self, batch_id, request_id, parsed, tally, err: Exception) -> None:
-        line = ob.build_error_line(
-            parsed.custom_id,
-            ob.classify_engine_error(str(err)),
-            str(err),
-            line=parsed.line,
-            param="body.messages" if parsed.is_chat else "body.prompt",
-        )
-        self._write(batch_id, request_id, line, tally)
+        if isinstance(err, ValueError):  # the engine's word that the request is bad
+            line = ob.build_error_line(
+                parsed.custom_id,
+                ob.classify_engine_error(str(err)),
+                str(err),
+                line=parsed.line,
+                param="body.messages" if parsed.is_chat else "body.prompt",
+            )
+        else:
+            line = self._internal_error(
+                parsed, f"the engine failed on this request: {type(err).__name__}: {err}"
+            )
+        self._write(batch_id, request_id, line, tally, number=parsed.line)
 
-    def _write(self, batch_id, request_id, line, tally, ok=False, **tokens) -> None:
+    @staticmethod
+    def _internal_error(parsed: ob.ParsedRequest, message: str) -> dict[str, Any]:
+        return ob.build_error_line(
+            parsed.custom_id, ob.INTERNAL_ERROR, message, line=parsed.line, status_code=500
+        )
+
+    def _write(self, batch_id, request_id, line, tally, number=None, ok=False, **tokens) -> None:
         row = dict(
             request_id=request_id,
             batch_id=batch_id,
             line_id=line["id"],
             ok=ok,
-            output=json.dumps(line, ensure_ascii=False),
+            output=ob.dump_line(line),
             worker=self.name,
             created_at=time.time(),
             prompt_tokens=0,
@@ -267,4 +342,4 @@ class WorkerRuntime:
             cached_tokens=0,
         )
         row.update(tokens)
-        self.writer.put(WriteItem(row, tally))
+        self.writer.put(WriteItem(row, tally, line.get("custom_id"), number))

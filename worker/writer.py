@@ -6,10 +6,15 @@ a shard task acknowledge its message safely. The transaction that commits a shar
 result also closes the shard (and completes its batch if it was the last one), so a shard
 costs no transaction of its own at the end. When the database is unreachable the writer keeps
 the pending rows and retries with backoff, so a database restart loses nothing.
+
+Any other error is taken to be about the rows, and one row must not hold up the others: the
+commit is split until the row that cannot be stored is alone, and that row is replaced by its
+request's error line (`internal_error`), written so that it always stores.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -19,8 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from conveyor import openai_batch as ob
 from ledger import transitions as tr
-from ledger.db import Ledger
+from ledger.db import Ledger, is_transient
+from ledger.ids import new_line_id
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +69,8 @@ class ShardTally:
 class WriteItem:
     row: dict[str, Any]  # a `results` row
     shard: ShardTally
+    custom_id: str | None = None  # the request's, for the error line that replaces an
+    line: int | None = None  # unstorable row
 
 
 class ResultWriter(threading.Thread):
@@ -75,13 +88,24 @@ class ResultWriter(threading.Thread):
         self.max_rows, self.max_delay = max_rows, max_delay
         self.items: queue.SimpleQueue[WriteItem] = queue.SimpleQueue()
         self.stopped = threading.Event()
-        self.committed = 0
+        self.received = 0
+        self.committed = 0  # rows settled: stored, or replaced by their error lines
+        self.settled = threading.Condition()
         self.started_batches: set[str] = set()  # batches whose first result is recorded
         self.lag = 0.0  # seconds the last committed batch of rows waited
         self.on_lag = on_lag  # called with each committed row's wait, in seconds
 
     def put(self, item: WriteItem) -> None:
+        with self.settled:
+            self.received += 1
         self.items.put(item)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every row put so far is committed; False if that takes over `timeout`
+        seconds."""
+        with self.settled:
+            target = self.received
+            return self.settled.wait_for(lambda: self.committed >= target, timeout)
 
     def stop(self) -> None:
         self.stopped.set()
@@ -113,29 +137,31 @@ class ResultWriter(threading.Thread):
         per_shard = Counter(item.shard for item in batch)
         # shards whose last results are these: closed in the same transaction
         closing = [t for t, n in per_shard.items() if t.writer_closes and t.left == n]
-        delay = 0.2
-        while True:
-            try:
-                with self.ledger.session() as session:
-                    tr.record_results(session, [item.row for item in batch], self.started_batches)
-                    if closing:
-                        tr.close_shards(
-                            session,
-                            [(t.shard_id, t.batch_id) for t in closing],
-                            self.heartbeat_timeout,
-                        )
-                break
-            except Exception as err:
-                log.warning(
-                    "could not commit %d results (%s); retrying in %.1fs",
-                    len(batch),
-                    type(err).__name__,
-                    delay,
-                )
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+
+        def record_and_close(session: Session) -> None:
+            self._record(session, batch)
+            if closing:
+                self._close(session, closing)
+
+        try:
+            self._until_reached(record_and_close, f"{len(batch)} results")
+        except Exception as err:  # about the rows, not the database: store them apart
+            log.warning(
+                "could not commit %d results (%s: %s); committing them apart",
+                len(batch),
+                type(err).__name__,
+                _one_line(err),
+            )
+            self._store_apart(batch, err)
+            if closing:
+                try:
+                    self._until_reached(lambda session: self._close(session, closing), "shards")
+                except Exception:  # the reconciler re-sends them; their runs close them
+                    log.exception("could not close %d shard(s)", len(closing))
         self.started_batches.update(item.row["batch_id"] for item in batch)
-        self.committed += len(batch)
+        with self.settled:
+            self.committed += len(batch)
+            self.settled.notify_all()
         now = time.time()
         self.lag = now - min(item.row["created_at"] for item in batch)
         if self.on_lag is not None:
@@ -143,3 +169,133 @@ class ResultWriter(threading.Thread):
                 self.on_lag(now - item.row["created_at"])
         for tally, n in per_shard.items():
             tally.committed(n)
+
+    def _record(self, session: Session, items: list[WriteItem]) -> None:
+        tr.record_results(session, [item.row for item in items], self.started_batches)
+
+    def _close(self, session: Session, tallies: list[ShardTally]) -> None:
+        tr.close_shards(
+            session, [(t.shard_id, t.batch_id) for t in tallies], self.heartbeat_timeout
+        )
+
+    def _until_reached(self, work: Callable[[Session], None], what: str = "results") -> None:
+        """Run `work` in a transaction, again and again with backoff while the database is
+        away; an error that is not about reaching it is raised."""
+        delay = 0.2
+        while True:
+            try:
+                with self.ledger.session() as session:
+                    work(session)
+                return
+            except Exception as err:
+                if not is_transient(err):
+                    raise
+                log.warning(
+                    "could not commit %s (%s); retrying in %.1fs", what, type(err).__name__, delay
+                )
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _store_apart(self, items: list[WriteItem], err: Exception) -> None:
+        """Store `items`, which failed together with `err`, in halves until the rows that
+        cannot be stored are alone; each of those is replaced by its error line."""
+        if len(items) == 1:
+            self._store_alone(items[0], err)
+            return
+        half = len(items) // 2
+        for part in (items[:half], items[half:]):
+            try:
+                self._until_reached(
+                    lambda session, part=part: self._record(session, part),
+                    f"{len(part)} results",
+                )
+            except Exception as part_err:
+                self._store_apart(part, part_err)
+
+    def _store_alone(self, item: WriteItem, err: Exception) -> None:
+        """`item`'s row failed alone with `err`: store its error line instead. If the ledger
+        refuses even that, the fault is the database's, not the row's: wait and try the row
+        again."""
+        delay = 0.2
+        while not self._store_error_line(item, err):
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+            try:
+                self._until_reached(lambda session: self._record(session, [item]), "a result")
+                return
+            except Exception as again:
+                err = again
+
+    def _store_error_line(self, item: WriteItem, err: Exception) -> bool:
+        """Whether `item` is settled: its error line stored, or its request gone."""
+        row = error_row(item, err)
+        try:
+            self._until_reached(lambda session: tr.record_results(session, [row]), "an error line")
+        except (IntegrityError, psycopg.IntegrityError):  # its request was deleted: no result
+            log.warning("request %s is gone; its result is dropped", row["request_id"])
+            return True
+        except Exception as refused:
+            log.warning(
+                "request %s: not even its error line could be stored (%s: %s); retrying",
+                row["request_id"],
+                type(refused).__name__,
+                _one_line(refused),
+            )
+            return False
+        log.error(
+            "request %s: its result could not be stored (%s: %s); it has an error line instead",
+            row["request_id"],
+            type(err).__name__,
+            _one_line(err),
+        )
+        return True
+
+
+def error_row(item: WriteItem, err: Exception) -> dict[str, Any]:
+    """The `results` row that stands for `item`'s when that cannot be stored: an error line in
+    ASCII JSON, and in every other column a value the ledger made or can hold."""
+    row = item.row
+    custom_id = item.custom_id
+    if custom_id is None:  # the row's own line says it
+        try:
+            custom_id = json.loads(row["output"]).get("custom_id")
+        except Exception:
+            custom_id = None
+    line = ob.build_error_line(
+        custom_id,
+        ob.INTERNAL_ERROR,
+        f"the result could not be stored: {type(err).__name__}: {_one_line(err)}",
+        line=item.line,
+        status_code=500,
+    )
+    line["id"] = new_line_id()
+    worker = row.get("worker")
+    return dict(
+        request_id=row["request_id"],
+        batch_id=row["batch_id"],
+        line_id=line["id"],
+        ok=False,
+        output=json.dumps(line),  # ASCII: no text the ledger cannot hold
+        worker=worker if _storable(worker) else None,
+        created_at=row["created_at"],
+        prompt_tokens=0,
+        completion_tokens=0,
+        cached_tokens=0,
+    )
+
+
+def _storable(text: str | None) -> bool:
+    if text is None:
+        return True
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _one_line(err: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(err).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
