@@ -7,9 +7,11 @@ extra fields (`model`, `progress`, `eta_seconds`) that OpenAI clients ignore.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, field_validator
+
+from api.params import IdText
 
 BatchStatus = Literal[
     "validating",
@@ -50,7 +52,7 @@ class FileDeleted(BaseModel):
 
 
 class BatchCreate(BaseModel):
-    input_file_id: str = Field(min_length=1)
+    input_file_id: Annotated[IdText, Field(min_length=1)]
     endpoint: Literal["/v1/chat/completions", "/v1/completions"]
     completion_window: str = Field(default="24h", max_length=16)
     metadata: dict[str, str] | None = None

@@ -12,6 +12,7 @@ from sqlalchemy import select
 from api import schemas
 from api.deps import ProjectDep, SessionDep, StateDep, read_in_session
 from api.errors import APIError
+from api.params import BatchId, IdempotencyKey, IdText
 from api.routes.files import result_lines
 from api.services import batch_list, batch_object, create_batch, get_batch, read_batch
 from ledger import transitions as tr
@@ -25,7 +26,7 @@ async def create(
     body: schemas.BatchCreate,
     state: StateDep,
     project: ProjectDep,
-    idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255)] = None,
+    idempotency_key: Annotated[IdempotencyKey | None, Header()] = None,
 ) -> schemas.Batch:
     """With an `Idempotency-Key` header, a create that repeats a key returns the batch first
     created with it instead of creating another."""
@@ -37,15 +38,15 @@ async def create(
 async def list_batches(
     state: StateDep,
     project: ProjectDep,
-    after: str | None = None,
+    after: IdText | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
-    idempotency_key: Annotated[str | None, Query(min_length=1, max_length=255)] = None,
+    idempotency_key: IdempotencyKey | None = None,
 ) -> schemas.BatchList:
     return await read_in_session(state, batch_list, project, after, limit, idempotency_key)
 
 
 @router.get("/{batch_id}", response_model=schemas.Batch)
-async def retrieve(batch_id: str, state: StateDep, project: ProjectDep) -> schemas.Batch:
+async def retrieve(batch_id: BatchId, state: StateDep, project: ProjectDep) -> schemas.Batch:
     return await read_in_session(state, read_batch, batch_id, project)
 
 
@@ -53,7 +54,7 @@ async def retrieve(batch_id: str, state: StateDep, project: ProjectDep) -> schem
     "/{batch_id}/cancel", response_model=schemas.Batch, responses=schemas.error_responses(409)
 )
 def cancel(
-    batch_id: str, state: StateDep, session: SessionDep, project: ProjectDep
+    batch_id: BatchId, state: StateDep, session: SessionDep, project: ProjectDep
 ) -> schemas.Batch:
     batch = get_batch(session, batch_id, project)
     if batch.status in ("failed", "completed", "expired"):
@@ -69,12 +70,12 @@ def cancel(
 
 @router.get("/{batch_id}/results")
 def results(
-    batch_id: str,
+    batch_id: BatchId,
     state: StateDep,
     session: SessionDep,
     project: ProjectDep,
     after: Annotated[
-        str | None, Query(description="the `id` of the last line already read")
+        IdText | None, Query(description="the `id` of the last line already read")
     ] = None,
     limit: Annotated[int | None, Query(ge=1)] = None,
 ) -> StreamingResponse:

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from api import schemas
 from api.deps import AppState, ProjectDep, SessionDep, StateDep, read_in_session
 from api.errors import APIError
+from api.params import FileId, IdText, PurposeText, unstorable
 from api.services import get_file
 from api.storage import UploadLimits
 from ledger.ids import new_file_id
@@ -46,7 +47,7 @@ def upload_file(
     if purpose not in PURPOSES:
         raise APIError(400, f"purpose must be 'batch', got {purpose!r}", param="purpose")
     filename = file.filename or "upload.jsonl"
-    if len(filename) > FILENAME_CHARS or "\x00" in filename:
+    if unstorable(filename, FILENAME_CHARS):
         raise APIError(
             400,
             f"the file name must be at most {FILENAME_CHARS} characters, without NUL",
@@ -82,8 +83,8 @@ def upload_file(
 async def list_files(
     state: StateDep,
     project: ProjectDep,
-    purpose: str | None = None,
-    after: str | None = None,
+    purpose: PurposeText | None = None,
+    after: IdText | None = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
     order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
 ) -> schemas.FileList:
@@ -123,12 +124,14 @@ def _tuple_gt(cols, key):
 
 
 @router.get("/{file_id}", response_model=schemas.FileObject)
-async def retrieve_file(file_id: str, state: StateDep, project: ProjectDep) -> schemas.FileObject:
+async def retrieve_file(
+    file_id: FileId, state: StateDep, project: ProjectDep
+) -> schemas.FileObject:
     return await read_in_session(state, lambda s: file_object(get_file(s, file_id, project)))
 
 
 @router.get("/{file_id}/content")
-def file_content(file_id: str, state: StateDep, session: SessionDep, project: ProjectDep):
+def file_content(file_id: FileId, state: StateDep, session: SessionDep, project: ProjectDep):
     file = get_file(session, file_id, project)
     if file.batch_id is None:
         path = state.files.path(file.id)
@@ -167,7 +170,7 @@ def result_lines(
 
 @router.delete("/{file_id}", response_model=schemas.FileDeleted)
 def delete_file(
-    file_id: str, state: StateDep, session: SessionDep, project: ProjectDep
+    file_id: FileId, state: StateDep, session: SessionDep, project: ProjectDep
 ) -> schemas.FileDeleted:
     file = get_file(session, file_id, project)
     file.deleted = True
