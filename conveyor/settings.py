@@ -55,6 +55,7 @@ class Settings:
     auth: str = "off"  # "required": every /v1 route wants a project's API key
     max_tokens_cap: int = 0  # most tokens a request may generate; 0: the model's context
     max_batches_in_flight: int = 0  # unfinished batches per project; 0: no limit
+    max_json_body_bytes: int = 1024 * 1024  # largest JSON request body (a batch create)
     # on SIGTERM a worker's running shards get this long before they are handed back
     shutdown_timeout: float = 60.0
     log_format: str = "text"  # or "json": one object per line, with batch/shard/request ids
@@ -66,6 +67,8 @@ class Settings:
             raise ValueError(
                 f"CONVEYOR_LOG_FORMAT must be 'text' or 'json', got {self.log_format!r}"
             )
+        if self.max_json_body_bytes < 1:
+            raise ValueError("CONVEYOR_MAX_JSON_BODY_BYTES must be at least 1")
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -86,6 +89,7 @@ class Settings:
             auth=(os.environ.get("CONVEYOR_AUTH") or "off").strip().lower(),
             max_tokens_cap=_env_int("CONVEYOR_MAX_TOKENS", 0),
             max_batches_in_flight=_env_int("CONVEYOR_MAX_BATCHES_IN_FLIGHT", 0),
+            max_json_body_bytes=_env_int("CONVEYOR_MAX_JSON_BODY_BYTES", 1024 * 1024),
             shutdown_timeout=_env_float("CONVEYOR_SHUTDOWN_TIMEOUT", 60.0),
             log_format=(os.environ.get("CONVEYOR_LOG_FORMAT") or "text").strip().lower(),
         )

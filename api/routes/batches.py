@@ -12,16 +12,19 @@ from sqlalchemy import select
 from api import schemas
 from api.deps import ProjectDep, SessionDep, StateDep, read_in_session
 from api.errors import APIError
+from api.guard import KeyedRoute
 from api.params import BatchId, IdempotencyKey, IdText
 from api.routes.files import result_lines
 from api.services import batch_list, batch_object, create_batch, get_batch, read_batch
 from ledger import transitions as tr
 from ledger.models import ResultRow
 
-router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=schemas.V1_ERRORS)
+router = APIRouter(
+    prefix="/v1/batches", tags=["batches"], responses=schemas.V1_ERRORS, route_class=KeyedRoute
+)
 
 
-@router.post("", response_model=schemas.Batch, responses=schemas.error_responses(429))
+@router.post("", response_model=schemas.Batch, responses=schemas.error_responses(413, 429))
 async def create(
     body: schemas.BatchCreate,
     state: StateDep,

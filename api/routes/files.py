@@ -6,7 +6,8 @@ import time
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import APIRouter, File, Form, Query, UploadFile
+from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, StreamingResponse
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -14,17 +15,24 @@ from sqlalchemy.orm import Session
 from api import schemas
 from api.deps import AppState, ProjectDep, SessionDep, StateDep, read_in_session
 from api.errors import APIError
-from api.params import FileId, IdText, PurposeText, unstorable
+from api.guard import KeyedRoute
+from api.params import FileId, IdText, PurposeText
 from api.services import get_file
 from api.storage import UploadLimits
+from api.uploads import UPLOAD_FORM, UploadRoute, receive_upload
 from ledger.ids import new_file_id
 from ledger.models import FileRow, ResultRow
 
-router = APIRouter(prefix="/v1/files", tags=["files"], responses=schemas.V1_ERRORS)
+router = APIRouter(
+    prefix="/v1/files", tags=["files"], responses=schemas.V1_ERRORS, route_class=KeyedRoute
+)
+# the upload reads its body itself, as a stream, under the upload limits
+uploads = APIRouter(
+    prefix="/v1/files", tags=["files"], responses=schemas.V1_ERRORS, route_class=UploadRoute
+)
 
 PURPOSES = ("batch",)
 PAGE = 1000
-FILENAME_CHARS = FileRow.__table__.c.filename.type.length
 
 
 def file_object(file: FileRow) -> schemas.FileObject:
@@ -37,46 +45,39 @@ def file_object(file: FileRow) -> schemas.FileObject:
     )
 
 
-@router.post("", response_model=schemas.FileObject, responses=schemas.error_responses(413))
-def upload_file(
-    state: StateDep,
-    project: ProjectDep,
-    file: Annotated[UploadFile, File(description="a JSONL batch input file")],
-    purpose: Annotated[str, Form()],
-) -> schemas.FileObject:
-    if purpose not in PURPOSES:
-        raise APIError(400, f"purpose must be 'batch', got {purpose!r}", param="purpose")
-    filename = file.filename or "upload.jsonl"
-    if unstorable(filename, FILENAME_CHARS):
-        raise APIError(
-            400,
-            f"the file name must be at most {FILENAME_CHARS} characters, without NUL",
-            param="file",
-        )
+@uploads.post(
+    "",
+    response_model=schemas.FileObject,
+    responses=schemas.error_responses(413),
+    openapi_extra=UPLOAD_FORM,
+)
+async def upload_file(request: Request, state: StateDep, project: ProjectDep) -> schemas.FileObject:
+    """A multipart/form-data body with a `file` (JSONL) and its `purpose` (`batch`)."""
     file_id = new_file_id()
     limits = UploadLimits(
         state.settings.max_upload_bytes,
         state.settings.max_batch_lines,
         state.settings.max_line_bytes,
     )
-    size, lines = state.files.save(file_id, file.file, limits)
-    if size == 0:
-        state.files.delete(file_id)
-        raise APIError(400, "the file is empty", code="empty_file", param="file")
+    upload = await receive_upload(request, state.files.writer(file_id, limits), PURPOSES)
     row = FileRow(
         id=file_id,
         project=project,
-        filename=filename,
-        purpose=purpose,
-        bytes=size,
-        lines=lines,
+        filename=upload.filename,
+        purpose=upload.purpose,
+        bytes=upload.size,
+        lines=upload.lines,
         created_at=int(time.time()),
         storage_path=str(state.files.path(file_id)),
         deleted=False,
     )
+    await run_in_threadpool(_add_file, state, row)
+    return file_object(row)
+
+
+def _add_file(state: AppState, row: FileRow) -> None:
     with state.ledger.session() as session:
         session.add(row)
-    return file_object(row)
 
 
 @router.get("", response_model=schemas.FileList)

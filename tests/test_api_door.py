@@ -1,0 +1,474 @@
+"""Hostile input at the API's door, against the real servers (PostgreSQL, Redis, the API
+process): bodies are refused before they are read when the key is missing or the declared size
+is over a limit, and cut off as they arrive otherwise, without the API's memory or disk growing;
+ids and parameters the ledger cannot hold are a 4xx; nothing closes a kept-alive connection."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from services import Stack, batch_lines, free_port, write_jsonl
+
+from api import errors
+
+MiB = 1024 * 1024
+HUGE = 64 * MiB
+ERROR_KEYS = {"message", "type", "param", "code"}
+CHAT = "/v1/chat/completions"
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def api_pid(stack: Stack) -> int:
+    return stack.procs[0].pid  # the first process a test starts is its API
+
+
+def new_key(stack: Stack) -> str:
+    made = subprocess.run(
+        [sys.executable, "-m", "conveyor", "keys", "create", "--name", "door"],
+        env=stack.env, capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    return made.stdout.strip().splitlines()[-1]
+
+
+def openai_error(r: httpx.Response | dict, status: int, code: str | None = None) -> dict:
+    """`r` is `status` in OpenAI's error shape; returns its `error` object."""
+    if isinstance(r, httpx.Response):
+        assert r.status_code == status, r.text
+        body = r.json()
+    else:
+        assert r["status"] == status, r
+        body = json.loads(r["body"])
+    assert set(body) == {"error"} and set(body["error"]) == ERROR_KEYS, body
+    if code is not None:
+        assert body["error"]["code"] == code, body
+    return body["error"]
+
+
+def send_until_answered(api: str, head: str, body: Iterator[bytes], timeout: float = 60) -> dict:
+    """Send `head` and then `body`'s chunks on a raw socket, stopping as soon as the server
+    answers; returns the answer's status and body and how many body bytes were sent."""
+    host, port = api.removeprefix("http://").split(":")
+    sent = 0
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(head.encode("latin-1"))
+        deadline = time.monotonic() + timeout
+        for chunk in body:
+            if select.select([sock], [], [], 0)[0]:
+                break  # the answer is there: stop sending
+            try:
+                sock.sendall(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sent += len(chunk)
+            assert time.monotonic() < deadline, "no answer in time"
+        else:  # everything went out: wait for the answer
+            select.select([sock], [], [], max(deadline - time.monotonic(), 0))
+        answer = _read_answer(sock)
+    return {**answer, "sent": sent}
+
+
+def _read_answer(sock: socket.socket) -> dict:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        got = sock.recv(65536)
+        assert got, f"the connection closed without an answer: {data!r}"
+        data += got
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    headers = {k.lower(): v for k, v in headers.items()}
+    length = int(headers.get("content-length", "0"))
+    while len(rest) < length:
+        got = sock.recv(65536)
+        assert got, "the connection closed in the middle of the answer"
+        rest += got
+    return {"status": int(lines[0].split()[1]), "headers": headers, "body": rest[:length]}
+
+
+def zeros(total: int, chunk: int = 64 * 1024) -> Iterator[bytes]:
+    block = b"0" * chunk
+    for _ in range(total // chunk):
+        yield block
+
+
+def chunked(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """The chunks in HTTP/1.1 chunked transfer coding (the last one is never sent here: the
+    body is meant to be refused first)."""
+    for data in chunks:
+        yield b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def request_head(api: str, method: str, path: str, headers: dict[str, str]) -> str:
+    host = api.removeprefix("http://")
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    return "\r\n".join(lines) + "\r\n\r\n"
+
+
+BOUNDARY = "d00rb0undary"
+
+
+def multipart_start(purpose: str = "batch", filename: str = "in.jsonl") -> bytes:
+    return (
+        f"--{BOUNDARY}\r\n"
+        f'Content-Disposition: form-data; name="purpose"\r\n\r\n{purpose}\r\n'
+        f"--{BOUNDARY}\r\n"
+        f'Content-Disposition: form-data; name="file"; filename="{filename}"\r\n'
+        "Content-Type: application/jsonl\r\n\r\n"
+    ).encode()
+
+
+def jsonl_lines(total: int) -> Iterator[bytes]:
+    """~`total` bytes of valid JSONL, 64 KiB at a time."""
+    line = json.dumps(batch_lines(1)[0]).encode() + b"\n"
+    block = line * (64 * 1024 // len(line))
+    for _ in range(total // len(block)):
+        yield block
+
+
+def stored_files(data_dir: Path) -> list[Path]:
+    files = data_dir / "files"
+    return sorted(files.iterdir()) if files.exists() else []
+
+
+def spooled(pid: int, tmp: Path) -> list[str]:
+    """The API's open files in its temp dir (Starlette spools uploads into unnamed ones)."""
+    found = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith(str(tmp)):
+            found.append(target)
+    return found
+
+
+@pytest.fixture
+def door(stack: Stack, tmp_path: Path) -> Stack:
+    """The stack with its own temp dir for the API, to see what it spools there."""
+    (tmp_path / "api-tmp").mkdir()
+    stack.env["TMPDIR"] = str(tmp_path / "api-tmp")
+    return stack
+
+
+# ---- the key before the body -----------------------------------------------------------------
+
+
+def test_an_unauthenticated_body_is_refused_before_it_is_read(door: Stack, tmp_path: Path):
+    door.env["CONVEYOR_AUTH"] = "required"
+    api = door.start_api()
+    pid, tmp = api_pid(door), tmp_path / "api-tmp"
+    httpx.get(f"{api}/healthz")
+    before = rss_kib(pid)
+    for path, content_type, body in (
+        ("/v1/files", f"multipart/form-data; boundary={BOUNDARY}", jsonl_lines(HUGE)),
+        ("/v1/batches", "application/json", zeros(HUGE)),
+    ):
+        head = request_head(
+            api, "POST", path, {"Content-Type": content_type, "Content-Length": str(HUGE)}
+        )
+        answer = send_until_answered(api, head, body)
+        openai_error(answer, 401, "invalid_api_key")
+        assert answer["sent"] < 16 * MiB, answer["sent"]  # answered long before the end
+        assert spooled(pid, tmp) == []
+    grown = rss_kib(pid) - before
+    assert grown < 8 * 1024, f"the API grew by {grown} KiB"
+    assert stored_files(tmp_path / "data") == [] and list(tmp.iterdir()) == []
+
+
+# ---- size limits as the body arrives ---------------------------------------------------------
+
+
+def test_an_upload_over_the_limit_is_cut_off_as_it_arrives(door: Stack, tmp_path: Path):
+    door.env.update(CONVEYOR_AUTH="required", CONVEYOR_MAX_UPLOAD_BYTES=str(MiB))
+    api = door.start_api()
+    auth = f"Bearer {new_key(door)}"
+    pid, tmp = api_pid(door), tmp_path / "api-tmp"
+    httpx.get(f"{api}/healthz")
+    before = rss_kib(pid)
+    multipart = f"multipart/form-data; boundary={BOUNDARY}"
+
+    def body(total: int) -> Iterator[bytes]:
+        yield multipart_start()
+        yield from jsonl_lines(total)
+
+    # a declared length over the limit: refused before a byte of the body is read
+    head = request_head(
+        api,
+        "POST",
+        "/v1/files",
+        {"Authorization": auth, "Content-Type": multipart, "Content-Length": str(HUGE)},
+    )
+    answer = send_until_answered(api, head, iter([]))
+    error = openai_error(answer, 413, "file_too_large")
+    assert str(MiB) in error["message"] and answer["sent"] == 0
+    answer = send_until_answered(api, head, body(HUGE))
+    openai_error(answer, 413, "file_too_large")
+    assert answer["sent"] < 16 * MiB, answer["sent"]
+
+    # no declared length (chunked): counted as it arrives and cut off past the limit
+    head = request_head(
+        api,
+        "POST",
+        "/v1/files",
+        {"Authorization": auth, "Content-Type": multipart, "Transfer-Encoding": "chunked"},
+    )
+    answer = send_until_answered(api, head, chunked(body(HUGE)))
+    openai_error(answer, 413, "file_too_large")
+    assert answer["sent"] < 16 * MiB, answer["sent"]
+    assert spooled(pid, tmp) == []
+
+    grown = rss_kib(pid) - before
+    assert grown < 8 * 1024, f"the API grew by {grown} KiB"
+    assert stored_files(tmp_path / "data") == [] and list(tmp.iterdir()) == []
+    listed = httpx.get(f"{api}/v1/files", headers={"Authorization": auth}).json()
+    assert listed["data"] == []
+
+
+def test_a_chunked_upload_within_the_limit_is_stored_whole(door: Stack, tmp_path: Path):
+    door.env["CONVEYOR_MAX_UPLOAD_BYTES"] = str(MiB)
+    api = door.start_api()
+    lines = b"".join(jsonl_lines(MiB // 2))
+
+    def body() -> Iterator[bytes]:
+        yield multipart_start(filename="streamed.jsonl")
+        for start in range(0, len(lines), 10_000):  # chunks that split lines
+            yield lines[start : start + 10_000]
+        yield f"\r\n--{BOUNDARY}--\r\n".encode()
+
+    r = httpx.post(
+        f"{api}/v1/files",
+        content=body(),
+        headers={"content-type": f"multipart/form-data; boundary={BOUNDARY}"},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["bytes"] == len(lines) and r.json()["filename"] == "streamed.jsonl"
+    content = httpx.get(f"{api}/v1/files/{r.json()['id']}/content")
+    assert content.content == lines
+
+
+class KeptAlive:
+    """Requests on one HTTP/1.1 connection; each checks the connection is still the first one
+    (http.client opens a new one, silently, after the server closed it)."""
+
+    def __init__(self, api: str, headers: dict[str, str] | None = None) -> None:
+        host, port = api.removeprefix("http://").split(":")
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        self.headers = headers or {}
+        self.sock: socket.socket | None = None
+
+    def request(
+        self, method: str, path: str, body: bytes | None = None, headers: dict | None = None
+    ) -> dict:
+        self.conn.request(method, path, body=body, headers={**self.headers, **(headers or {})})
+        response = self.conn.getresponse()
+        answer = {"status": response.status, "body": response.read()}
+        assert response.getheader("connection") != "close", (method, path, answer)
+        if self.sock is None:
+            self.sock = self.conn.sock
+        assert self.conn.sock is self.sock, f"{method} {path}: the connection was closed"
+        return answer
+
+    def json(self, method: str, path: str, body: bytes, headers: dict | None = None) -> dict:
+        return self.request(
+            method, path, body, {"Content-Type": "application/json", **(headers or {})}
+        )
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def test_json_bodies_are_bounded_in_size_and_depth(stack: Stack, tmp_path: Path):
+    stack.env["CONVEYOR_MAX_JSON_BODY_BYTES"] = str(64 * 1024)
+    api = stack.start_api()
+    file_id = upload(api, tmp_path)
+    client = KeptAlive(api)
+    assert client.request("GET", "/v1/batches")["status"] == 200
+
+    big = json.dumps({"input_file_id": file_id, "endpoint": CHAT, "x": "y" * 100_000})
+    error = openai_error(client.json("POST", "/v1/batches", big.encode()), 413, "request_too_large")
+    assert "65536" in error["message"] and "CONVEYOR_MAX_JSON_BODY_BYTES" in error["message"]
+    # the same without a declared length: counted as it arrives
+    r = httpx.post(
+        f"{api}/v1/batches",
+        content=iter([big[i : i + 8192].encode() for i in range(0, len(big), 8192)]),
+        headers={"content-type": "application/json"},
+    )
+    openai_error(r, 413, "request_too_large")
+
+    for nested in ("[" * 5000 + "]" * 5000, '{"a":' * 5000 + "1" + "}" * 5000):
+        body = f'{{"input_file_id": "{file_id}", "endpoint": "{CHAT}", "metadata": {nested}}}'
+        error = openai_error(client.json("POST", "/v1/batches", body.encode()), 400)
+        assert "deeper than 64" in error["message"]
+    # 64 levels are fine (and wrong for metadata, which is why this is a plain 400)
+    body = (
+        f'{{"input_file_id": "{file_id}", "endpoint": "{CHAT}", "metadata": {"[" * 63}{"]" * 63}}}'
+    )
+    assert (
+        openai_error(client.json("POST", "/v1/batches", body.encode()), 400)["param"] == "metadata"
+    )
+    # brackets in strings are not nesting
+    body = json.dumps({"input_file_id": file_id, "endpoint": CHAT, "metadata": {"k": "[" * 500}})
+    assert client.json("POST", "/v1/batches", body.encode())["status"] == 200
+
+    created = client.json(
+        "POST", "/v1/batches", json.dumps({"input_file_id": file_id, "endpoint": CHAT}).encode()
+    )
+    assert created["status"] == 200, created
+    client.close()
+
+
+def upload(api: str, tmp_path: Path, headers: dict[str, str] | None = None) -> str:
+    path = write_jsonl(tmp_path / "in.jsonl", batch_lines(2))
+    with open(path, "rb") as f:
+        r = httpx.post(
+            f"{api}/v1/files",
+            files={"file": (path.name, f)},
+            data={"purpose": "batch"},
+            headers=headers,
+        )
+    assert r.status_code == 200, r.text
+    return r.json()["id"]
+
+
+def test_ids_and_parameters_the_ledger_cannot_hold_are_4xx(door: Stack, tmp_path: Path):
+    door.env["CONVEYOR_AUTH"] = "required"
+    api = door.start_api()
+    auth = {"Authorization": f"Bearer {new_key(door)}"}
+    file_id = upload(api, tmp_path, auth)
+    client = KeptAlive(api, auth)
+
+    def answer(method: str, path: str, body: bytes | None = None, **headers: str) -> dict:
+        got = client.request(method, path, body, headers)
+        assert 400 <= got["status"] < 500, (method, path, got)
+        return json.loads(got["body"])["error"]
+
+    for method, path, kind in (
+        ("GET", "/v1/batches/batch_a%00b", "batch"),
+        ("POST", "/v1/batches/batch_a%00b/cancel", "batch"),
+        ("GET", "/v1/batches/batch_a%00b/results", "batch"),
+        ("GET", "/v1/files/file-a%00b", "file"),
+        ("GET", "/v1/files/file-a%00b/content", "file"),
+        ("DELETE", "/v1/files/file-a%00b", "file"),
+        ("GET", f"/v1/files/{'f' * 65}", "file"),
+        ("GET", "/v1/batches/%ED%B2%80", "batch"),
+    ):
+        error = answer(method, path)
+        assert error["code"] == "not_found" and f"no {kind}" in error["message"], (path, error)
+
+    batch = json.loads(
+        client.json(
+            "POST",
+            "/v1/batches",
+            json.dumps({"input_file_id": file_id, "endpoint": CHAT}).encode(),
+            {"Content-Type": "application/json"},
+        )["body"]
+    )
+    for path, param in (
+        ("/v1/batches?after=batch_a%00b", "after"),
+        ("/v1/batches?idempotency_key=k%00", "idempotency_key"),
+        (f"/v1/batches?after={'b' * 65}", "after"),
+        ("/v1/files?after=file-%00", "after"),
+        ("/v1/files?purpose=batch%00", "purpose"),
+        (f"/v1/batches/{batch['id']}/results?after=x%00", "after"),
+    ):
+        assert answer("GET", path)["param"] == param, path
+    too_long = {"Idempotency-Key": "k" * 256, "Content-Type": "application/json"}
+    create = json.dumps({"input_file_id": file_id, "endpoint": CHAT}).encode()
+    assert "idempotency-key" in answer("POST", "/v1/batches", create, **too_long)["param"]
+
+    for input_file_id in ("file-a\x00b", "f" * 65):
+        body = json.dumps({"input_file_id": input_file_id, "endpoint": CHAT}).encode()
+        error = answer("POST", "/v1/batches", body, **{"Content-Type": "application/json"})
+        assert error["param"] == "input_file_id", error
+    # lone surrogates, which only JSON escapes can make
+    for fields in (
+        {"input_file_id": "file-SURROGATE", "endpoint": CHAT},
+        {"input_file_id": file_id, "endpoint": CHAT, "metadata": {"SURROGATE": "v"}},
+    ):
+        body = json.dumps(fields).replace("SURROGATE", "\\ud800").encode()
+        error = answer("POST", "/v1/batches", body, **{"Content-Type": "application/json"})
+        assert error["param"] in ("input_file_id", "metadata"), error
+
+    # an upload's purpose and file name
+    def form(purpose: str, filename: str = "in.jsonl") -> bytes:
+        return multipart_start(purpose, filename) + b"{}\n" + f"\r\n--{BOUNDARY}--\r\n".encode()
+
+    multipart = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
+    assert answer("POST", "/v1/files", form("batch\x00"), **multipart)["param"] == "purpose"
+    assert answer("POST", "/v1/files", form("batch", "a\x00.jsonl"), **multipart)["param"] == "file"
+    assert answer("POST", "/v1/files", form("b" * 10_000), **multipart)["param"] == "purpose"
+
+    assert client.request("GET", "/v1/batches")["status"] == 200  # still the same connection
+    client.close()
+
+    # a NUL in a header value: the HTTP server refuses the request itself (400) and, not
+    # knowing where it ends, closes the connection; the API never sees it
+    head = request_head(api, "GET", "/v1/batches", {**auth, "Idempotency-Key": "a\x00b"})
+    assert send_until_answered(api, head, iter([]))["status"] == 400
+    assert httpx.get(f"{api}/v1/batches", headers=auth).status_code == 200
+
+
+def test_an_unexpected_error_is_a_500_that_keeps_the_connection(tmp_path: Path):
+    """On uvicorn, as the API runs: an exception no handler takes is a 500 in OpenAI's shape,
+    and the client's next request on the same connection is answered."""
+    app = FastAPI()
+    errors.install(app)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("no handler for this")
+
+    @app.get("/fine")
+    async def fine() -> dict:
+        return {"ok": True}
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        client = KeptAlive(f"http://127.0.0.1:{port}")
+        for _ in range(2):
+            got = client.request("GET", "/boom")
+            assert got["status"] == 500
+            error = json.loads(got["body"])["error"]
+            assert error == {
+                "message": "internal error: RuntimeError",
+                "type": "server_error",
+                "param": None,
+                "code": None,
+            }
+            assert client.request("GET", "/fine")["status"] == 200
+        client.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
