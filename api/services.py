@@ -17,6 +17,7 @@ from api.errors import APIError, not_found
 from ledger import intake
 from ledger import transitions as tr
 from ledger.ids import new_batch_id
+from ledger.locks import lock_project_batches
 from ledger.models import BatchRow, FileRow
 from worker.celery_app import queue_for, send_shards
 from worker.routing import route
@@ -105,6 +106,7 @@ def _create_batch(
     settings = state.settings
     with state.ledger.session() as session:
         file = get_file(session, body.input_file_id, project)
+        # early, to spare the file's validation when the project is already at its limit
         check_in_flight(session, project, settings.max_batches_in_flight)
         if file.purpose != "batch":
             raise APIError(
@@ -126,6 +128,11 @@ def _create_batch(
         )
         sends = []
         with state.ledger.session() as session:
+            if settings.max_batches_in_flight:
+                # the check that counts: the count and the insert it allows in one
+                # transaction, one create of the project at a time
+                lock_project_batches(session, project)
+                check_in_flight(session, project, settings.max_batches_in_flight)
             batch = BatchRow(
                 id=batch_id,
                 project=project,

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -472,3 +473,51 @@ def test_an_unexpected_error_is_a_500_that_keeps_the_connection(tmp_path: Path):
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+# ---- the in-flight limit -----------------------------------------------------------------------
+
+
+def racing_creates(api: str, file_id: str, n: int) -> list[int]:
+    body = {"input_file_id": file_id, "endpoint": CHAT}
+    start = threading.Barrier(n)
+
+    def create(_: int) -> int:
+        start.wait()
+        return httpx.post(f"{api}/v1/batches", json=body, timeout=120).status_code
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(create, range(n)))
+
+
+def test_the_in_flight_limit_holds_under_concurrent_creates(stack: Stack, tmp_path: Path):
+    stack.env["CONVEYOR_MAX_BATCHES_IN_FLIGHT"] = "5"
+    api = stack.start_api()
+    statuses = racing_creates(api, upload(api, tmp_path), 30)
+    assert sorted(statuses) == [200] * 5 + [429] * 25, statuses
+    batches = httpx.get(f"{api}/v1/batches", params={"limit": 100}).json()["data"]
+    assert len(batches) == 5 and {b["status"] for b in batches} == {"in_progress"}
+
+
+def test_the_in_flight_limit_holds_on_the_embedded_ledger(stack: Stack, tmp_path: Path):
+    """The same on SQLite (no DATABASE_URL, no REDIS_URL), without its in-process worker."""
+    env = {k: v for k, v in stack.env.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env.update(CONVEYOR_DATA_DIR=str(tmp_path / "embedded"), CONVEYOR_MAX_BATCHES_IN_FLIGHT="5")
+    embedded = Stack(env=env, root=tmp_path)
+    port = free_port()
+    embedded._spawn("embedded", ["serve", "--no-worker", "--port", str(port)])
+    api = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{api}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, embedded.log("embedded")
+            time.sleep(0.2)
+        statuses = racing_creates(api, upload(api, tmp_path), 30)
+        assert sorted(statuses) == [200] * 5 + [429] * 25, statuses
+    finally:
+        embedded.stop()
