@@ -69,9 +69,9 @@ def check_in_flight(session: Session, project: str, limit: int) -> None:
         )
 
 
-def batch_for_key(session: Session, project: str, idempotency_key: str) -> str | None:
+def batch_for_key(session: Session, project: str, idempotency_key: str) -> BatchRow | None:
     return session.execute(
-        select(BatchRow.id).where(
+        select(BatchRow).where(
             BatchRow.project == project, BatchRow.idempotency_key == idempotency_key
         )
     ).scalar_one_or_none()
@@ -84,11 +84,12 @@ def create_batch(
     idempotency_key: str | None = None,
 ) -> str:
     """Validate the input file, store its requests in shards and enqueue them. Returns the id;
-    for an idempotency key already used, the id of the batch created with it."""
+    for an idempotency key already used with the same parameters, the id of the batch created
+    with it (409 if they differ)."""
     if idempotency_key is not None:
         with state.ledger.session() as session:
             if existing := batch_for_key(session, project, idempotency_key):
-                return existing
+                return same_request(existing, body, idempotency_key)
     try:
         return _create_batch(state, body, project, idempotency_key)
     except IntegrityError:
@@ -96,8 +97,33 @@ def create_batch(
             raise
         with state.ledger.session() as session:  # a concurrent create with the key won
             if existing := batch_for_key(session, project, idempotency_key):
-                return existing
+                return same_request(existing, body, idempotency_key)
         raise
+
+
+def same_request(batch: BatchRow, body: schemas.BatchCreate, idempotency_key: str) -> str:
+    """The id of `batch`, made with `idempotency_key`, if `body` asks for the same batch; a
+    409 naming what differs if not (a key names one request, as in payment APIs)."""
+    differ = [
+        name
+        for name, then, now in (
+            ("input_file_id", batch.input_file_id, body.input_file_id),
+            ("endpoint", batch.endpoint, body.endpoint),
+            ("completion_window", batch.completion_window, body.completion_window),
+            ("metadata", batch.metadata_ or None, body.metadata or None),
+        )
+        if then != now
+    ]
+    if differ:
+        raise APIError(
+            409,
+            f"the Idempotency-Key {idempotency_key!r} was used for batch {batch.id!r} with "
+            f"another {', '.join(differ)}; send the same parameters to get that batch, or use "
+            "a new key for a new batch",
+            code="idempotency_key_reused",
+            param=differ[0],
+        )
+    return batch.id
 
 
 def _create_batch(

@@ -521,3 +521,35 @@ def test_the_in_flight_limit_holds_on_the_embedded_ledger(stack: Stack, tmp_path
         assert sorted(statuses) == [200] * 5 + [429] * 25, statuses
     finally:
         embedded.stop()
+
+
+# ---- idempotency keys --------------------------------------------------------------------------
+
+
+def test_an_idempotency_key_reused_for_another_request_is_a_conflict(stack: Stack, tmp_path):
+    api = stack.start_api()
+    first_file, second_file = upload(api, tmp_path), upload(api, tmp_path)
+    body = {"input_file_id": first_file, "endpoint": CHAT, "metadata": {"run": "1"}}
+
+    def create(key: str, **change) -> httpx.Response:
+        headers = {"Idempotency-Key": key}
+        return httpx.post(f"{api}/v1/batches", json={**body, **change}, headers=headers)
+
+    first = create("nightly")
+    assert first.status_code == 200, first.text
+    again = create("nightly", completion_window="24h")  # the default, said out loud
+    assert again.status_code == 200 and again.json()["id"] == first.json()["id"]
+
+    for change, params in (
+        ({"input_file_id": second_file}, ["input_file_id"]),
+        ({"endpoint": "/v1/completions"}, ["endpoint"]),
+        ({"completion_window": "48h"}, ["completion_window"]),
+        ({"metadata": {"run": "2"}}, ["metadata"]),
+        ({"metadata": None}, ["metadata"]),
+        ({"input_file_id": second_file, "metadata": None}, ["input_file_id", "metadata"]),
+    ):
+        error = openai_error(create("nightly", **change), 409, "idempotency_key_reused")
+        assert error["param"] == params[0], (change, error)
+        assert all(p in error["message"] for p in params), (change, error)
+        assert first.json()["id"] in error["message"]
+    assert len(httpx.get(f"{api}/v1/batches").json()["data"]) == 1

@@ -24,15 +24,16 @@ router = APIRouter(
 )
 
 
-@router.post("", response_model=schemas.Batch, responses=schemas.error_responses(413, 429))
+@router.post("", response_model=schemas.Batch, responses=schemas.error_responses(409, 413, 429))
 async def create(
     body: schemas.BatchCreate,
     state: StateDep,
     project: ProjectDep,
     idempotency_key: Annotated[IdempotencyKey | None, Header()] = None,
 ) -> schemas.Batch:
-    """With an `Idempotency-Key` header, a create that repeats a key returns the batch first
-    created with it instead of creating another."""
+    """With an `Idempotency-Key` header, a create that repeats a key with the same parameters
+    returns the batch first created with it instead of creating another; with other
+    parameters it is a 409 naming them."""
     batch_id = await run_in_threadpool(create_batch, state, body, project, idempotency_key)
     return await read_in_session(state, read_batch, batch_id, project)
 
