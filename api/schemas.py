@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, Field, field_validator
 
 from api.params import IdText
+from conveyor.settings import window_seconds
 
 BatchStatus = Literal[
     "validating",
@@ -60,8 +61,6 @@ class BatchCreate(BaseModel):
     @field_validator("completion_window")
     @classmethod
     def _window(cls, value: str) -> str:
-        from api.services import window_seconds
-
         window_seconds(value)  # raises ValueError with the rule
         return value
 

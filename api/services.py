@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 import time
 from typing import Any
 
@@ -14,6 +13,7 @@ from sqlalchemy.orm import Session
 from api import schemas
 from api.deps import AppState
 from api.errors import APIError, not_found
+from conveyor.settings import window_seconds
 from ledger import intake
 from ledger import transitions as tr
 from ledger.ids import new_batch_id
@@ -23,16 +23,6 @@ from worker.celery_app import queue_for, send_shards
 from worker.routing import route
 
 log = logging.getLogger(__name__)
-
-
-def window_seconds(window: str) -> int:
-    """`24h` (OpenAI's only window); we also take other `<n>h`, `<n>m` and `<n>s` windows."""
-    match = re.fullmatch(r"([1-9][0-9]*)([hms])", window)
-    if not match:
-        raise ValueError(
-            f"completion_window must look like '24h' (hours), '30m' or '90s', got {window!r}"
-        )
-    return int(match.group(1)) * {"h": 3600, "m": 60, "s": 1}[match.group(2)]
 
 
 def get_file(session: Session, file_id: str, project: str) -> FileRow:
@@ -69,6 +59,17 @@ def check_in_flight(session: Session, project: str, limit: int) -> None:
         )
 
 
+def check_window(window: str, longest: str) -> None:
+    """400 for a completion window longer than the longest the service takes."""
+    if window_seconds(window) > window_seconds(longest):
+        raise APIError(
+            400,
+            f"completion_window {window!r} is longer than the limit of {longest!r} "
+            "(CONVEYOR_MAX_COMPLETION_WINDOW)",
+            param="completion_window",
+        )
+
+
 def batch_for_key(session: Session, project: str, idempotency_key: str) -> BatchRow | None:
     return session.execute(
         select(BatchRow).where(
@@ -86,6 +87,7 @@ def create_batch(
     """Validate the input file, store its requests in shards and enqueue them. Returns the id;
     for an idempotency key already used with the same parameters, the id of the batch created
     with it (409 if they differ)."""
+    check_window(body.completion_window, state.settings.max_completion_window)
     if idempotency_key is not None:
         with state.ledger.session() as session:
             if existing := batch_for_key(session, project, idempotency_key):

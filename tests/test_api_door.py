@@ -25,6 +25,7 @@ from fastapi import FastAPI
 from services import Stack, batch_lines, free_port, write_jsonl
 
 from api import errors
+from conveyor.settings import window_seconds
 
 MiB = 1024 * 1024
 HUGE = 64 * MiB
@@ -553,3 +554,27 @@ def test_an_idempotency_key_reused_for_another_request_is_a_conflict(stack: Stac
         assert all(p in error["message"] for p in params), (change, error)
         assert first.json()["id"] in error["message"]
     assert len(httpx.get(f"{api}/v1/batches").json()["data"]) == 1
+
+
+# ---- the completion window ---------------------------------------------------------------------
+
+
+def test_the_completion_window_is_capped(stack: Stack, tmp_path: Path):
+    stack.env["CONVEYOR_MAX_COMPLETION_WINDOW"] = "48h"
+    api = stack.start_api()
+    file_id = upload(api, tmp_path)
+
+    def create(window: str) -> httpx.Response:
+        body = {"input_file_id": file_id, "endpoint": CHAT, "completion_window": window}
+        return httpx.post(f"{api}/v1/batches", json=body)
+
+    for window in ("49h", "172801s", "999999999999h"):
+        error = openai_error(create(window), 400)
+        assert error["param"] == "completion_window", error
+        assert "48h" in error["message"] and "CONVEYOR_MAX_COMPLETION_WINDOW" in error["message"]
+    for window in ("48h", "172800s", "24h"):
+        r = create(window)
+        assert r.status_code == 200, r.text
+        assert r.json()["expires_at"] - r.json()["created_at"] in range(
+            window_seconds(window) - 2, window_seconds(window) + 3
+        )
