@@ -20,12 +20,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+import sqlalchemy as sa
 import uvicorn
 from fastapi import FastAPI
-from services import Stack, batch_lines, free_port, write_jsonl
+from services import Stack, batch_lines, download, free_port, wait_for, write_jsonl
 
 from api import errors
-from conveyor.settings import window_seconds
+from conveyor.settings import normalize_database_url, window_seconds
 
 MiB = 1024 * 1024
 HUGE = 64 * MiB
@@ -578,3 +579,62 @@ def test_the_completion_window_is_capped(stack: Stack, tmp_path: Path):
         assert r.json()["expires_at"] - r.json()["created_at"] in range(
             window_seconds(window) - 2, window_seconds(window) + 3
         )
+
+
+# ---- deleting files ----------------------------------------------------------------------------
+
+
+def test_deleting_a_batchs_files_erases_what_they_hold(
+    stack: Stack, tmp_path: Path, database_url: str
+):
+    api = stack.start_api()
+    stack.start_worker("w1", "echo", served="")
+    lines = batch_lines(3, model="echo")
+    lines[1]["body"]["temperature"] = -1  # fails alone: a line in the error file
+    path = write_jsonl(tmp_path / "in.jsonl", lines)
+    with open(path, "rb") as f:
+        file_id = httpx.post(
+            f"{api}/v1/files", files={"file": f}, data={"purpose": "batch"}
+        ).json()["id"]
+    body = {"input_file_id": file_id, "endpoint": CHAT}
+    batch = wait_for(api, httpx.post(f"{api}/v1/batches", json=body).json()["id"], timeout=120)
+    assert batch["status"] == "completed", batch
+
+    def results() -> list[str]:
+        r = httpx.get(f"{api}/v1/batches/{batch['id']}/results")
+        assert r.status_code == 200, r.text
+        return sorted(json.loads(line)["custom_id"] for line in r.text.splitlines())
+
+    assert [x["custom_id"] for x in download(api, batch["output_file_id"])] == ["q-0", "q-2"]
+    assert [x["custom_id"] for x in download(api, batch["error_file_id"])] == ["q-1"]
+    assert results() == ["q-0", "q-1", "q-2"]
+
+    assert httpx.delete(f"{api}/v1/files/{batch['output_file_id']}").status_code == 200
+    openai_error(httpx.get(f"{api}/v1/files/{batch['output_file_id']}/content"), 404)
+    assert results() == ["q-1"]  # the error lines stay until the error file goes
+    assert [x["custom_id"] for x in download(api, batch["error_file_id"])] == ["q-1"]
+    assert httpx.delete(f"{api}/v1/files/{batch['error_file_id']}").status_code == 200
+    assert results() == []
+    # the batch itself still tells what happened
+    got = httpx.get(f"{api}/v1/batches/{batch['id']}").json()
+    assert got["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+
+    # the input file: its finished batch's copies of the lines go, a running batch keeps its
+    stack.kill("w1")
+    running = httpx.post(f"{api}/v1/batches", json=body).json()
+    assert running["status"] == "in_progress", running
+    assert httpx.delete(f"{api}/v1/files/{file_id}").status_code == 200
+    engine = sa.create_engine(normalize_database_url(database_url))
+    with engine.connect() as conn:
+        raw = dict(
+            conn.execute(
+                sa.text(
+                    "SELECT batch_id, string_agg(raw, '') FROM requests WHERE batch_id IN "
+                    "(:done, :running) GROUP BY batch_id"
+                ),
+                {"done": batch["id"], "running": running["id"]},
+            ).all()
+        )
+    engine.dispose()
+    assert raw[batch["id"]] == ""
+    assert "question number 0" in raw[running["id"]]

@@ -20,6 +20,7 @@ from api.params import FileId, IdText, PurposeText
 from api.services import get_file
 from api.storage import UploadLimits
 from api.uploads import UPLOAD_FORM, UploadRoute, receive_upload
+from ledger.erasure import erase_input_copies, erase_results
 from ledger.ids import new_file_id
 from ledger.models import FileRow, ResultRow
 
@@ -173,8 +174,14 @@ def result_lines(
 def delete_file(
     file_id: FileId, state: StateDep, session: SessionDep, project: ProjectDep
 ) -> schemas.FileDeleted:
+    """Deleting a batch's output or error file erases the lines it holds (from `/results` as
+    well); deleting an input file erases the upload and the copies of its lines kept by
+    finished batches."""
     file = get_file(session, file_id, project)
     file.deleted = True
     if file.batch_id is None:
         state.files.delete(file.id)
+        erase_input_copies(session, file.id)
+    else:
+        erase_results(session, file.batch_id, ok=file.purpose == "batch_output")
     return schemas.FileDeleted(id=file.id)
