@@ -152,6 +152,11 @@ def jsonl_lines(total: int) -> Iterator[bytes]:
         yield block
 
 
+def upload_body(total: int) -> Iterator[bytes]:
+    yield multipart_start()
+    yield from jsonl_lines(total)
+
+
 def stored_files(data_dir: Path) -> list[Path]:
     files = data_dir / "files"
     return sorted(files.iterdir()) if files.exists() else []
@@ -188,7 +193,7 @@ def test_an_unauthenticated_body_is_refused_before_it_is_read(door: Stack, tmp_p
     httpx.get(f"{api}/healthz")
     before = rss_kib(pid)
     for path, content_type, body in (
-        ("/v1/files", f"multipart/form-data; boundary={BOUNDARY}", jsonl_lines(HUGE)),
+        ("/v1/files", f"multipart/form-data; boundary={BOUNDARY}", upload_body(HUGE)),
         ("/v1/batches", "application/json", zeros(HUGE)),
     ):
         head = request_head(
@@ -214,11 +219,6 @@ def test_an_upload_over_the_limit_is_cut_off_as_it_arrives(door: Stack, tmp_path
     httpx.get(f"{api}/healthz")
     before = rss_kib(pid)
     multipart = f"multipart/form-data; boundary={BOUNDARY}"
-
-    def body(total: int) -> Iterator[bytes]:
-        yield multipart_start()
-        yield from jsonl_lines(total)
-
     # a declared length over the limit: refused before a byte of the body is read
     head = request_head(
         api,
@@ -229,7 +229,7 @@ def test_an_upload_over_the_limit_is_cut_off_as_it_arrives(door: Stack, tmp_path
     answer = send_until_answered(api, head, iter([]))
     error = openai_error(answer, 413, "file_too_large")
     assert str(MiB) in error["message"] and answer["sent"] == 0
-    answer = send_until_answered(api, head, body(HUGE))
+    answer = send_until_answered(api, head, upload_body(HUGE))
     openai_error(answer, 413, "file_too_large")
     assert answer["sent"] < 16 * MiB, answer["sent"]
 
@@ -240,7 +240,7 @@ def test_an_upload_over_the_limit_is_cut_off_as_it_arrives(door: Stack, tmp_path
         "/v1/files",
         {"Authorization": auth, "Content-Type": multipart, "Transfer-Encoding": "chunked"},
     )
-    answer = send_until_answered(api, head, chunked(body(HUGE)))
+    answer = send_until_answered(api, head, chunked(upload_body(HUGE)))
     openai_error(answer, 413, "file_too_large")
     assert answer["sent"] < 16 * MiB, answer["sent"]
     assert spooled(pid, tmp) == []
@@ -345,8 +345,8 @@ def test_json_bodies_are_bounded_in_size_and_depth(stack: Stack, tmp_path: Path)
     client.close()
 
 
-def upload(api: str, tmp_path: Path, headers: dict[str, str] | None = None) -> str:
-    path = write_jsonl(tmp_path / "in.jsonl", batch_lines(2))
+def upload(api: str, tmp_path: Path, headers: dict[str, str] | None = None, lines: int = 2) -> str:
+    path = write_jsonl(tmp_path / "in.jsonl", batch_lines(lines))
     with open(path, "rb") as f:
         r = httpx.post(
             f"{api}/v1/files",
@@ -495,7 +495,8 @@ def racing_creates(api: str, file_id: str, n: int) -> list[int]:
 def test_the_in_flight_limit_holds_under_concurrent_creates(stack: Stack, tmp_path: Path):
     stack.env["CONVEYOR_MAX_BATCHES_IN_FLIGHT"] = "5"
     api = stack.start_api()
-    statuses = racing_creates(api, upload(api, tmp_path), 30)
+    # a file whose validation takes a while, the gap a create without the lock raced through
+    statuses = racing_creates(api, upload(api, tmp_path, lines=1000), 30)
     assert sorted(statuses) == [200] * 5 + [429] * 25, statuses
     batches = httpx.get(f"{api}/v1/batches", params={"limit": 100}).json()["data"]
     assert len(batches) == 5 and {b["status"] for b in batches} == {"in_progress"}
@@ -519,7 +520,7 @@ def test_the_in_flight_limit_holds_on_the_embedded_ledger(stack: Stack, tmp_path
                 pass
             assert time.monotonic() < deadline, embedded.log("embedded")
             time.sleep(0.2)
-        statuses = racing_creates(api, upload(api, tmp_path), 30)
+        statuses = racing_creates(api, upload(api, tmp_path, lines=1000), 30)
         assert sorted(statuses) == [200] * 5 + [429] * 25, statuses
     finally:
         embedded.stop()
