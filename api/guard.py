@@ -21,7 +21,8 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from api.deps import AppState
-from api.errors import APIError
+from api.errors import APIError, not_found
+from api.params import ID_CHARS, unstorable
 from conveyor.settings import Settings
 from ledger.keys import find_key
 from ledger.models import DEFAULT_PROJECT
@@ -31,9 +32,10 @@ MAX_JSON_DEPTH = 64
 
 class KeyedRoute(APIRoute):
     """A /v1 route. Before its body is read: the API key is looked up (the project goes to
-    `request.state.project`, where `api.deps.get_project` finds it) and a declared
-    `Content-Length` over the route's limit is refused; then the body is counted as it arrives
-    (Starlette's body limit) and, if it is JSON, its nesting is checked before it is parsed."""
+    `request.state.project`, where `api.deps.get_project` finds it), a path id no row can have
+    is a 404 and a declared `Content-Length` over the route's limit is refused; then the body
+    is counted as it arrives (Starlette's body limit) and, if it is JSON, its nesting is
+    checked before it is parsed."""
 
     @property
     def reads_body(self) -> bool:
@@ -55,7 +57,12 @@ class KeyedRoute(APIRoute):
             await super().handle(scope, receive, send)  # a 405, as for any route
             return
         state: AppState = scope["app"].state.conveyor
-        scope.setdefault("state", {})["project"] = await authenticate(state, scope)
+        scope.setdefault("state", {})["project"] = (
+            DEFAULT_PROJECT if state.settings.auth == "off" else await authenticate(state, scope)
+        )
+        for name, value in scope["path_params"].items():
+            if unstorable(value, ID_CHARS):  # no row has such an id
+                raise not_found(name.removesuffix("_id"), value)
         if not self.reads_body:
             await super().handle(scope, receive, send)
             return
@@ -86,10 +93,8 @@ class KeyedRoute(APIRoute):
 
 
 async def authenticate(state: AppState, scope: Scope) -> str:
-    """The project of the request's API key (the default project when authentication is off);
-    401 for no key or one that is unknown or revoked."""
-    if state.settings.auth == "off":
-        return DEFAULT_PROJECT
+    """The project of the request's API key; 401 for no key or one that is unknown or
+    revoked."""
     authorization = Headers(scope=scope).get("authorization")
     scheme, secret = get_authorization_scheme_param(authorization)
     if scheme.lower() != "bearer" or not secret:

@@ -1,16 +1,14 @@
 """What ids and text parameters may hold: only what the ledger can store and compare. PostgreSQL
 text holds no NUL, UTF-8 no lone surrogate (JSON escapes can make one), and a value longer than
-its column can match nothing. A path id that breaks this cannot exist (404); a query, header,
-form or body parameter that does is a 400 naming it."""
+its column can match nothing. A path id that breaks this cannot exist (a 404, from
+`api.guard.KeyedRoute`); a query, header, form or body parameter that does is a 400 naming it."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends
 from pydantic import AfterValidator, StringConstraints
 
-from api.errors import not_found
 from ledger.models import BatchRow, FileRow, ResultRow
 
 ID_CHARS = FileRow.__table__.c.id.type.length
@@ -48,20 +46,3 @@ IdempotencyKey = Annotated[
     str, StringConstraints(min_length=1, max_length=IDEMPOTENCY_KEY_CHARS), Storable
 ]
 PurposeText = Annotated[str, StringConstraints(max_length=PURPOSE_CHARS), Storable]
-
-
-async def _batch_id(batch_id: str) -> str:
-    if unstorable(batch_id, ID_CHARS):
-        raise not_found("batch", batch_id)
-    return batch_id
-
-
-async def _file_id(file_id: str) -> str:
-    if unstorable(file_id, ID_CHARS):
-        raise not_found("file", file_id)
-    return file_id
-
-
-# path ids; async, so checking one costs no trip to the thread pool
-BatchId = Annotated[str, Depends(_batch_id)]
-FileId = Annotated[str, Depends(_file_id)]

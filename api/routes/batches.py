@@ -13,7 +13,7 @@ from api import schemas
 from api.deps import ProjectDep, SessionDep, StateDep, read_in_session
 from api.errors import APIError
 from api.guard import KeyedRoute
-from api.params import BatchId, IdempotencyKey, IdText
+from api.params import IdempotencyKey, IdText
 from api.routes.files import result_lines
 from api.services import batch_list, batch_object, create_batch, get_batch, read_batch
 from ledger import transitions as tr
@@ -50,7 +50,7 @@ async def list_batches(
 
 
 @router.get("/{batch_id}", response_model=schemas.Batch)
-async def retrieve(batch_id: BatchId, state: StateDep, project: ProjectDep) -> schemas.Batch:
+async def retrieve(batch_id: str, state: StateDep, project: ProjectDep) -> schemas.Batch:
     return await read_in_session(state, read_batch, batch_id, project)
 
 
@@ -58,7 +58,7 @@ async def retrieve(batch_id: BatchId, state: StateDep, project: ProjectDep) -> s
     "/{batch_id}/cancel", response_model=schemas.Batch, responses=schemas.error_responses(409)
 )
 def cancel(
-    batch_id: BatchId, state: StateDep, session: SessionDep, project: ProjectDep
+    batch_id: str, state: StateDep, session: SessionDep, project: ProjectDep
 ) -> schemas.Batch:
     batch = get_batch(session, batch_id, project)
     if batch.status in ("failed", "completed", "expired"):
@@ -74,7 +74,7 @@ def cancel(
 
 @router.get("/{batch_id}/results")
 def results(
-    batch_id: BatchId,
+    batch_id: str,
     state: StateDep,
     session: SessionDep,
     project: ProjectDep,

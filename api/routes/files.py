@@ -16,7 +16,7 @@ from api import schemas
 from api.deps import AppState, ProjectDep, SessionDep, StateDep, read_in_session
 from api.errors import APIError
 from api.guard import KeyedRoute
-from api.params import FileId, IdText, PurposeText
+from api.params import IdText, PurposeText
 from api.services import get_file
 from api.storage import UploadLimits
 from api.uploads import UPLOAD_FORM, UploadRoute, receive_upload
@@ -126,14 +126,12 @@ def _tuple_gt(cols, key):
 
 
 @router.get("/{file_id}", response_model=schemas.FileObject)
-async def retrieve_file(
-    file_id: FileId, state: StateDep, project: ProjectDep
-) -> schemas.FileObject:
+async def retrieve_file(file_id: str, state: StateDep, project: ProjectDep) -> schemas.FileObject:
     return await read_in_session(state, lambda s: file_object(get_file(s, file_id, project)))
 
 
 @router.get("/{file_id}/content")
-def file_content(file_id: FileId, state: StateDep, session: SessionDep, project: ProjectDep):
+def file_content(file_id: str, state: StateDep, session: SessionDep, project: ProjectDep):
     file = get_file(session, file_id, project)
     if file.batch_id is None:
         path = state.files.path(file.id)
@@ -172,7 +170,7 @@ def result_lines(
 
 @router.delete("/{file_id}", response_model=schemas.FileDeleted)
 def delete_file(
-    file_id: FileId, state: StateDep, session: SessionDep, project: ProjectDep
+    file_id: str, state: StateDep, session: SessionDep, project: ProjectDep
 ) -> schemas.FileDeleted:
     """Deleting a batch's output or error file erases the lines it holds (from `/results` as
     well); deleting an input file erases the upload and the copies of its lines kept by
