@@ -59,8 +59,10 @@ def create_app(settings: Settings | None = None, *, reconcile: bool = True) -> F
     )
     errors.install(app)
     app.include_router(files.router)
+    app.include_router(files.uploads)
     app.include_router(batches.router)
     app.include_router(system.router)
+    app.include_router(system.models)
     registry = api_registry(lambda: app.state.conveyor.ledger)
 
     @app.get("/metrics", tags=["system"], include_in_schema=False)

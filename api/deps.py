@@ -12,12 +12,9 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from api.errors import APIError
 from api.storage import FileStore
 from conveyor.settings import Settings
 from ledger.db import Ledger
-from ledger.keys import find_key
-from ledger.models import DEFAULT_PROJECT
 
 
 @dataclass
@@ -80,32 +77,13 @@ bearer = HTTPBearer(auto_error=False, description="a Conveyor API key (`conveyor
 
 
 async def get_project(
-    state: StateDep,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+    request: Request,
+    _: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
 ) -> str:
     """The project whose files and batches this request may see: the API key's project, or
-    the default project when authentication is off."""
-    if state.settings.auth == "off":
-        return DEFAULT_PROJECT
-    if credentials is None:
-        raise unauthorized(
-            "no API key: send it as 'Authorization: Bearer <key>' (create one with "
-            "`conveyor keys create --name NAME`)"
-        )
-    project = await run_in_threadpool(_key_project, state, credentials.credentials)
-    if project is None:
-        raise unauthorized("the API key is not valid (unknown or revoked)")
-    return project
-
-
-def _key_project(state: AppState, secret: str) -> str | None:
-    with state.ledger.reads() as session:
-        key = find_key(session, secret)
-        return key.project if key is not None else None
-
-
-def unauthorized(message: str) -> APIError:
-    return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    the default project when authentication is off. `api.guard.KeyedRoute` settled it from the
+    headers before the body was read; `bearer` is here for the OpenAPI schema's security."""
+    return request.state.project
 
 
 ProjectDep = Annotated[str, Depends(get_project)]

@@ -9,6 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,35 @@ def install(app: FastAPI) -> None:
             headers={"Retry-After": "5"},
         )
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, err: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return JSONResponse(_body(f"internal error: {type(err).__name__}", "server_error"), 500)
+    app.add_middleware(UnexpectedErrors)
+
+
+class UnexpectedErrors:
+    """An exception no handler took becomes a 500 in OpenAI's shape on a connection that stays
+    open. (Starlette's ServerErrorMiddleware sends its 500 and then re-raises, and uvicorn
+    closes the connection of a request whose app raised: a keep-alive client's next request
+    would fail too.) Sits inside ServerErrorMiddleware, which still gets what it cannot answer:
+    an exception after the response started."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_noting_start(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_start)
+        except Exception as err:
+            if started:
+                raise
+            log.exception("unhandled error")
+            body = _body(f"internal error: {type(err).__name__}", "server_error")
+            await JSONResponse(body, 500)(scope, receive, send)

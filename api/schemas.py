@@ -7,9 +7,12 @@ extra fields (`model`, `progress`, `eta_seconds`) that OpenAI clients ignore.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, field_validator
+
+from api.params import IdText
+from conveyor.settings import window_seconds
 
 BatchStatus = Literal[
     "validating",
@@ -50,7 +53,7 @@ class FileDeleted(BaseModel):
 
 
 class BatchCreate(BaseModel):
-    input_file_id: str = Field(min_length=1)
+    input_file_id: Annotated[IdText, Field(min_length=1)]
     endpoint: Literal["/v1/chat/completions", "/v1/completions"]
     completion_window: str = Field(default="24h", max_length=16)
     metadata: dict[str, str] | None = None
@@ -58,8 +61,6 @@ class BatchCreate(BaseModel):
     @field_validator("completion_window")
     @classmethod
     def _window(cls, value: str) -> str:
-        from api.services import window_seconds
-
         window_seconds(value)  # raises ValueError with the rule
         return value
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 import time
 from typing import Any
 
@@ -14,24 +13,16 @@ from sqlalchemy.orm import Session
 from api import schemas
 from api.deps import AppState
 from api.errors import APIError, not_found
+from conveyor.settings import window_seconds
 from ledger import intake
 from ledger import transitions as tr
 from ledger.ids import new_batch_id
+from ledger.locks import lock_project_batches
 from ledger.models import BatchRow, FileRow
 from worker.celery_app import queue_for, send_shards
-from worker.routing import route
+from worker.routing import Router, live_workers
 
 log = logging.getLogger(__name__)
-
-
-def window_seconds(window: str) -> int:
-    """`24h` (OpenAI's only window); we also take other `<n>h`, `<n>m` and `<n>s` windows."""
-    match = re.fullmatch(r"([1-9][0-9]*)([hms])", window)
-    if not match:
-        raise ValueError(
-            f"completion_window must look like '24h' (hours), '30m' or '90s', got {window!r}"
-        )
-    return int(match.group(1)) * {"h": 3600, "m": 60, "s": 1}[match.group(2)]
 
 
 def get_file(session: Session, file_id: str, project: str) -> FileRow:
@@ -68,9 +59,20 @@ def check_in_flight(session: Session, project: str, limit: int) -> None:
         )
 
 
-def batch_for_key(session: Session, project: str, idempotency_key: str) -> str | None:
+def check_window(window: str, longest: str) -> None:
+    """400 for a completion window longer than the longest the service takes."""
+    if window_seconds(window) > window_seconds(longest):
+        raise APIError(
+            400,
+            f"completion_window {window!r} is longer than the limit of {longest!r} "
+            "(CONVEYOR_MAX_COMPLETION_WINDOW)",
+            param="completion_window",
+        )
+
+
+def batch_for_key(session: Session, project: str, idempotency_key: str) -> BatchRow | None:
     return session.execute(
-        select(BatchRow.id).where(
+        select(BatchRow).where(
             BatchRow.project == project, BatchRow.idempotency_key == idempotency_key
         )
     ).scalar_one_or_none()
@@ -83,11 +85,13 @@ def create_batch(
     idempotency_key: str | None = None,
 ) -> str:
     """Validate the input file, store its requests in shards and enqueue them. Returns the id;
-    for an idempotency key already used, the id of the batch created with it."""
+    for an idempotency key already used with the same parameters, the id of the batch created
+    with it (409 if they differ)."""
+    check_window(body.completion_window, state.settings.max_completion_window)
     if idempotency_key is not None:
         with state.ledger.session() as session:
             if existing := batch_for_key(session, project, idempotency_key):
-                return existing
+                return same_request(existing, body, idempotency_key)
     try:
         return _create_batch(state, body, project, idempotency_key)
     except IntegrityError:
@@ -95,8 +99,33 @@ def create_batch(
             raise
         with state.ledger.session() as session:  # a concurrent create with the key won
             if existing := batch_for_key(session, project, idempotency_key):
-                return existing
+                return same_request(existing, body, idempotency_key)
         raise
+
+
+def same_request(batch: BatchRow, body: schemas.BatchCreate, idempotency_key: str) -> str:
+    """The id of `batch`, made with `idempotency_key`, if `body` asks for the same batch; a
+    409 naming what differs if not (a key names one request, as in payment APIs)."""
+    differ = [
+        name
+        for name, then, now in (
+            ("input_file_id", batch.input_file_id, body.input_file_id),
+            ("endpoint", batch.endpoint, body.endpoint),
+            ("completion_window", batch.completion_window, body.completion_window),
+            ("metadata", batch.metadata_ or None, body.metadata or None),
+        )
+        if then != now
+    ]
+    if differ:
+        raise APIError(
+            409,
+            f"the Idempotency-Key {idempotency_key!r} was used for batch {batch.id!r} with "
+            f"another {', '.join(differ)}; send the same parameters to get that batch, or use "
+            "a new key for a new batch",
+            code="idempotency_key_reused",
+            param=differ[0],
+        )
+    return batch.id
 
 
 def _create_batch(
@@ -105,6 +134,7 @@ def _create_batch(
     settings = state.settings
     with state.ledger.session() as session:
         file = get_file(session, body.input_file_id, project)
+        # early, to spare the file's validation when the project is already at its limit
         check_in_flight(session, project, settings.max_batches_in_flight)
         if file.purpose != "batch":
             raise APIError(
@@ -126,6 +156,11 @@ def _create_batch(
         )
         sends = []
         with state.ledger.session() as session:
+            if settings.max_batches_in_flight:
+                # the check that counts: the count and the insert it allows in one
+                # transaction, one create of the project at a time
+                lock_project_batches(session, project)
+                check_in_flight(session, project, settings.max_batches_in_flight)
             batch = BatchRow(
                 id=batch_id,
                 project=project,
@@ -156,13 +191,12 @@ def _create_batch(
                 settings.shard_size,
                 queue_for(validation.model or ""),
             )
-            sends = route(
-                session,
-                tr.mark_enqueued(session, shards),
-                settings.broker_url,
-                settings.heartbeat_timeout,
-                settings.affinity_backlog,
+            workers = live_workers(session, settings.heartbeat_timeout)
+            sends = Router(workers, settings.broker_url, settings.affinity_backlog).route(
+                tr.mark_enqueued(session, shards)
             )
+            if shards and queue_for(validation.model or "") not in workers:
+                batch.unserved_since = time.time()  # said at once, not at the next reconcile
             log.info(
                 "batch %s created from %s: %d requests in %d shards",
                 batch_id,

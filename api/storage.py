@@ -9,8 +9,6 @@ from typing import BinaryIO
 
 from api.errors import APIError
 
-CHUNK = 1 << 20
-
 
 @dataclass(frozen=True)
 class UploadLimits:
@@ -31,11 +29,7 @@ class LineCounter:
     def feed(self, chunk: bytes) -> None:
         self.size += len(chunk)
         if self.size > self.limits.max_bytes:
-            raise _too_large(
-                "file_too_large",
-                f"the file is larger than the limit of {self.limits.max_bytes} bytes "
-                "(CONVEYOR_MAX_UPLOAD_BYTES)",
-            )
+            raise file_too_large(self.limits.max_bytes)
         start = 0
         while (end := chunk.find(b"\n", start)) != -1:
             self._end_line(self.line_bytes + end - start)
@@ -67,8 +61,51 @@ class LineCounter:
             )
 
 
+def file_too_large(max_bytes: int) -> APIError:
+    return _too_large(
+        "file_too_large",
+        f"the file is larger than the limit of {max_bytes} bytes (CONVEYOR_MAX_UPLOAD_BYTES)",
+    )
+
+
 def _too_large(code: str, message: str) -> APIError:
     return APIError(413, message, code=code, param="file")
+
+
+class UploadWriter:
+    """An upload on its way to the store: `write` counts each chunk and writes it (413 at the
+    first limit the file breaks, before that chunk is written), `commit` puts the whole file in
+    place, `discard` drops what was written."""
+
+    def __init__(self, target: Path, limits: UploadLimits) -> None:
+        self.target = target
+        self.part = target.with_suffix(".part")
+        self.counter = LineCounter(limits)
+        self.out: BinaryIO | None = None
+
+    @property
+    def size(self) -> int:
+        return self.counter.size
+
+    def write(self, chunk: bytes) -> None:
+        self.counter.feed(chunk)
+        if self.out is None:
+            self.out = open(self.part, "wb")  # noqa: SIM115 (closed by commit or discard)
+        self.out.write(chunk)
+
+    def commit(self) -> tuple[int, int]:
+        """Returns the file's (bytes, lines)."""
+        self.counter.close()
+        if self.out is None:
+            self.out = open(self.part, "wb")  # noqa: SIM115
+        self.out.close()
+        os.replace(self.part, self.target)
+        return self.counter.size, self.counter.lines
+
+    def discard(self) -> None:
+        if self.out is not None:
+            self.out.close()
+        self.part.unlink(missing_ok=True)
 
 
 class FileStore:
@@ -79,22 +116,8 @@ class FileStore:
     def path(self, file_id: str) -> Path:
         return self.root / f"{file_id}.jsonl"
 
-    def save(self, file_id: str, source: BinaryIO, limits: UploadLimits) -> tuple[int, int]:
-        """Copy an upload in chunks; returns (bytes, lines). Raises 413 as soon as the file
-        breaks a limit (size, lines, line size), so no batch can start from it."""
-        target = self.path(file_id)
-        tmp = target.with_suffix(".part")
-        counter = LineCounter(limits)
-        try:
-            with open(tmp, "wb") as out:
-                while chunk := source.read(CHUNK):
-                    counter.feed(chunk)
-                    out.write(chunk)
-            counter.close()
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return counter.size, counter.lines
+    def writer(self, file_id: str, limits: UploadLimits) -> UploadWriter:
+        return UploadWriter(self.path(file_id), limits)
 
     def delete(self, file_id: str) -> None:
         self.path(file_id).unlink(missing_ok=True)

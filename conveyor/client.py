@@ -15,9 +15,10 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
+        self.code = code
 
 
 class ConveyorClient:
@@ -39,11 +40,13 @@ class ConveyorClient:
 
     def _check(self, response: httpx.Response) -> httpx.Response:
         if response.status_code >= 400:
+            code = None
             try:
-                message = response.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
+                error = response.json()["error"]
+                message, code = error["message"], error.get("code")
+            except (ValueError, KeyError, TypeError, AttributeError):
                 message = response.text[:500]
-            raise APIError(response.status_code, message)
+            raise APIError(response.status_code, message, code)
         return response
 
     def wait_ready(self, timeout: float) -> None:

@@ -341,14 +341,22 @@ def cmd_submit(args: argparse.Namespace) -> int:
                     )
             if batch is None:
                 file = client.upload(path)
-                batch = client.create_batch(
-                    file["id"],
-                    endpoint,
-                    args.completion_window,
-                    metadata or None,
-                    args.idempotency_key,
-                )
-                if batch["input_file_id"] != file["id"]:  # a concurrent submit with the key won
+                try:
+                    batch = client.create_batch(
+                        file["id"],
+                        endpoint,
+                        args.completion_window,
+                        metadata or None,
+                        args.idempotency_key,
+                    )
+                except APIError as err:
+                    # a concurrent submit with the key won, with its own upload of the file
+                    if err.code != "idempotency_key_reused":
+                        raise
+                    batch = client.batch_for_key(args.idempotency_key)
+                    if batch is None:
+                        raise
+                if batch["input_file_id"] != file["id"]:
                     client.delete_file(file["id"])
             print(batch["id"], flush=True)
             if not args.wait:

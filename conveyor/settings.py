@@ -8,6 +8,7 @@ default that needs no servers.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,17 @@ def _env_float(name: str, default: float) -> float:
         return float(raw)
     except ValueError:
         raise ValueError(f"{name} must be a number, got {raw!r}") from None
+
+
+def window_seconds(window: str) -> int:
+    """A completion window in seconds: `24h` (OpenAI's only window); we also take other
+    `<n>h`, `<n>m` and `<n>s` windows."""
+    match = re.fullmatch(r"([1-9][0-9]*)([hms])", window)
+    if not match:
+        raise ValueError(
+            f"completion_window must look like '24h' (hours), '30m' or '90s', got {window!r}"
+        )
+    return int(match.group(1)) * {"h": 3600, "m": 60, "s": 1}[match.group(2)]
 
 
 AUTH_MODES = ("off", "required")
@@ -55,6 +67,8 @@ class Settings:
     auth: str = "off"  # "required": every /v1 route wants a project's API key
     max_tokens_cap: int = 0  # most tokens a request may generate; 0: the model's context
     max_batches_in_flight: int = 0  # unfinished batches per project; 0: no limit
+    max_json_body_bytes: int = 1024 * 1024  # largest JSON request body (a batch create)
+    max_completion_window: str = "168h"  # longest completion_window a batch may ask for
     # on SIGTERM a worker's running shards get this long before they are handed back
     shutdown_timeout: float = 60.0
     log_format: str = "text"  # or "json": one object per line, with batch/shard/request ids
@@ -72,6 +86,15 @@ class Settings:
             raise ValueError(
                 f"CONVEYOR_MAX_SHARD_ATTEMPTS must be at least 1, got {self.max_shard_attempts}"
             )
+        try:
+            window_seconds(self.max_completion_window)
+        except ValueError:
+            raise ValueError(
+                "CONVEYOR_MAX_COMPLETION_WINDOW must look like '168h', '30m' or '90s', got "
+                f"{self.max_completion_window!r}"
+            ) from None
+        if self.max_json_body_bytes < 1:
+            raise ValueError("CONVEYOR_MAX_JSON_BODY_BYTES must be at least 1")
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -92,6 +115,10 @@ class Settings:
             auth=(os.environ.get("CONVEYOR_AUTH") or "off").strip().lower(),
             max_tokens_cap=_env_int("CONVEYOR_MAX_TOKENS", 0),
             max_batches_in_flight=_env_int("CONVEYOR_MAX_BATCHES_IN_FLIGHT", 0),
+            max_json_body_bytes=_env_int("CONVEYOR_MAX_JSON_BODY_BYTES", 1024 * 1024),
+            max_completion_window=(
+                os.environ.get("CONVEYOR_MAX_COMPLETION_WINDOW") or "168h"
+            ).strip(),
             shutdown_timeout=_env_float("CONVEYOR_SHUTDOWN_TIMEOUT", 60.0),
             log_format=(os.environ.get("CONVEYOR_LOG_FORMAT") or "text").strip().lower(),
             max_shard_attempts=_env_int("CONVEYOR_MAX_SHARD_ATTEMPTS", 3),

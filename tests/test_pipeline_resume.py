@@ -122,26 +122,32 @@ def test_api_idempotency_key_returns_the_first_batch(stack: Stack, tmp_path: Pat
 
     first = create(upload(), "k-1")
     assert first.status_code == 200, first.text
-    repeat = create(upload(), "k-1")  # another file, same key: still the first batch
+    repeat = create(first.json()["input_file_id"], "k-1")  # the same again: the first batch
     assert repeat.status_code == 200
     assert repeat.json()["id"] == first.json()["id"]
-    assert repeat.json()["input_file_id"] == first.json()["input_file_id"]
+    reused = create(upload(), "k-1")  # another file, same key: a conflict naming the file
+    assert reused.status_code == 409, reused.text
+    assert reused.json()["error"]["code"] == "idempotency_key_reused"
+    assert reused.json()["error"]["param"] == "input_file_id"
     other = create(upload(), "k-2")
     assert other.json()["id"] != first.json()["id"]
     plain = [create(upload(), None).json()["id"] for _ in range(2)]
     assert plain[0] != plain[1]  # without a key every create is a new batch
 
-    # racing creates with one key make one batch
+    # racing creates with one key make one batch: the same request gets it every time, and
+    # the others (another file each) a conflict
     files = [upload() for _ in range(6)]
     with ThreadPoolExecutor(6) as pool:
-        racing = list(pool.map(lambda f: create(f, "k-race"), files))
+        racing = list(pool.map(lambda f: create(f, "k-race"), [files[0]] * 6))
+        mixed = list(pool.map(lambda f: create(f, "k-mixed"), files))
     assert {r.status_code for r in racing} == {200}
     assert len({r.json()["id"] for r in racing}) == 1
+    assert sorted(r.status_code for r in mixed) == [200] + [409] * 5
 
     listed = httpx.get(f"{api}/v1/batches", params={"idempotency_key": "k-race"}).json()["data"]
     assert [b["id"] for b in listed] == [racing[0].json()["id"]]
     assert httpx.get(f"{api}/v1/batches", params={"idempotency_key": "none"}).json()["data"] == []
-    assert len(httpx.get(f"{api}/v1/batches").json()["data"]) == 5
+    assert len(httpx.get(f"{api}/v1/batches").json()["data"]) == 6
     too_long = create(files[0], "x" * 256)
     assert too_long.status_code == 400, too_long.text
     assert "idempotency-key" in too_long.json()["error"]["param"]

@@ -72,14 +72,3 @@ class Router:
                 send.queue = target
         return sends
 
-
-def route(
-    session: Session,
-    sends: list[Send],
-    broker_url: str,
-    heartbeat_timeout: float,
-    backlog: int = DEFAULT_BACKLOG,
-) -> list[Send]:
-    if not sends:
-        return sends
-    return Router(live_workers(session, heartbeat_timeout), broker_url, backlog).route(sends)

@@ -12,23 +12,28 @@ from sqlalchemy import select
 from api import schemas
 from api.deps import ProjectDep, SessionDep, StateDep, read_in_session
 from api.errors import APIError
+from api.guard import KeyedRoute
+from api.params import IdempotencyKey, IdText
 from api.routes.files import result_lines
 from api.services import batch_list, batch_object, create_batch, get_batch, read_batch
 from ledger import transitions as tr
 from ledger.models import ResultRow
 
-router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=schemas.V1_ERRORS)
+router = APIRouter(
+    prefix="/v1/batches", tags=["batches"], responses=schemas.V1_ERRORS, route_class=KeyedRoute
+)
 
 
-@router.post("", response_model=schemas.Batch, responses=schemas.error_responses(429))
+@router.post("", response_model=schemas.Batch, responses=schemas.error_responses(409, 413, 429))
 async def create(
     body: schemas.BatchCreate,
     state: StateDep,
     project: ProjectDep,
-    idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255)] = None,
+    idempotency_key: Annotated[IdempotencyKey | None, Header()] = None,
 ) -> schemas.Batch:
-    """With an `Idempotency-Key` header, a create that repeats a key returns the batch first
-    created with it instead of creating another."""
+    """With an `Idempotency-Key` header, a create that repeats a key with the same parameters
+    returns the batch first created with it instead of creating another; with other
+    parameters it is a 409 naming them."""
     batch_id = await run_in_threadpool(create_batch, state, body, project, idempotency_key)
     return await read_in_session(state, read_batch, batch_id, project)
 
@@ -37,9 +42,9 @@ async def create(
 async def list_batches(
     state: StateDep,
     project: ProjectDep,
-    after: str | None = None,
+    after: IdText | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
-    idempotency_key: Annotated[str | None, Query(min_length=1, max_length=255)] = None,
+    idempotency_key: IdempotencyKey | None = None,
 ) -> schemas.BatchList:
     return await read_in_session(state, batch_list, project, after, limit, idempotency_key)
 
@@ -74,7 +79,7 @@ def results(
     session: SessionDep,
     project: ProjectDep,
     after: Annotated[
-        str | None, Query(description="the `id` of the last line already read")
+        IdText | None, Query(description="the `id` of the last line already read")
     ] = None,
     limit: Annotated[int | None, Query(ge=1)] = None,
 ) -> StreamingResponse:

@@ -6,7 +6,8 @@ import time
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import APIRouter, File, Form, Query, UploadFile
+from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, StreamingResponse
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -14,16 +15,25 @@ from sqlalchemy.orm import Session
 from api import schemas
 from api.deps import AppState, ProjectDep, SessionDep, StateDep, read_in_session
 from api.errors import APIError
+from api.guard import KeyedRoute
+from api.params import IdText, PurposeText
 from api.services import get_file
 from api.storage import UploadLimits
+from api.uploads import UPLOAD_FORM, UploadRoute, receive_upload
+from ledger.erasure import erase_input_copies, erase_results
 from ledger.ids import new_file_id
 from ledger.models import FileRow, ResultRow
 
-router = APIRouter(prefix="/v1/files", tags=["files"], responses=schemas.V1_ERRORS)
+router = APIRouter(
+    prefix="/v1/files", tags=["files"], responses=schemas.V1_ERRORS, route_class=KeyedRoute
+)
+# the upload reads its body itself, as a stream, under the upload limits
+uploads = APIRouter(
+    prefix="/v1/files", tags=["files"], responses=schemas.V1_ERRORS, route_class=UploadRoute
+)
 
 PURPOSES = ("batch",)
 PAGE = 1000
-FILENAME_CHARS = FileRow.__table__.c.filename.type.length
 
 
 def file_object(file: FileRow) -> schemas.FileObject:
@@ -36,54 +46,47 @@ def file_object(file: FileRow) -> schemas.FileObject:
     )
 
 
-@router.post("", response_model=schemas.FileObject, responses=schemas.error_responses(413))
-def upload_file(
-    state: StateDep,
-    project: ProjectDep,
-    file: Annotated[UploadFile, File(description="a JSONL batch input file")],
-    purpose: Annotated[str, Form()],
-) -> schemas.FileObject:
-    if purpose not in PURPOSES:
-        raise APIError(400, f"purpose must be 'batch', got {purpose!r}", param="purpose")
-    filename = file.filename or "upload.jsonl"
-    if len(filename) > FILENAME_CHARS or "\x00" in filename:
-        raise APIError(
-            400,
-            f"the file name must be at most {FILENAME_CHARS} characters, without NUL",
-            param="file",
-        )
+@uploads.post(
+    "",
+    response_model=schemas.FileObject,
+    responses=schemas.error_responses(413),
+    openapi_extra=UPLOAD_FORM,
+)
+async def upload_file(request: Request, state: StateDep, project: ProjectDep) -> schemas.FileObject:
+    """A multipart/form-data body with a `file` (JSONL) and its `purpose` (`batch`)."""
     file_id = new_file_id()
     limits = UploadLimits(
         state.settings.max_upload_bytes,
         state.settings.max_batch_lines,
         state.settings.max_line_bytes,
     )
-    size, lines = state.files.save(file_id, file.file, limits)
-    if size == 0:
-        state.files.delete(file_id)
-        raise APIError(400, "the file is empty", code="empty_file", param="file")
+    upload = await receive_upload(request, state.files.writer(file_id, limits), PURPOSES)
     row = FileRow(
         id=file_id,
         project=project,
-        filename=filename,
-        purpose=purpose,
-        bytes=size,
-        lines=lines,
+        filename=upload.filename,
+        purpose=upload.purpose,
+        bytes=upload.size,
+        lines=upload.lines,
         created_at=int(time.time()),
         storage_path=str(state.files.path(file_id)),
         deleted=False,
     )
+    await run_in_threadpool(_add_file, state, row)
+    return file_object(row)
+
+
+def _add_file(state: AppState, row: FileRow) -> None:
     with state.ledger.session() as session:
         session.add(row)
-    return file_object(row)
 
 
 @router.get("", response_model=schemas.FileList)
 async def list_files(
     state: StateDep,
     project: ProjectDep,
-    purpose: str | None = None,
-    after: str | None = None,
+    purpose: PurposeText | None = None,
+    after: IdText | None = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
     order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
 ) -> schemas.FileList:
@@ -169,8 +172,14 @@ def result_lines(
 def delete_file(
     file_id: str, state: StateDep, session: SessionDep, project: ProjectDep
 ) -> schemas.FileDeleted:
+    """Deleting a batch's output or error file erases the lines it holds (from `/results` as
+    well); deleting an input file erases the upload and the copies of its lines kept by
+    finished batches."""
     file = get_file(session, file_id, project)
     file.deleted = True
     if file.batch_id is None:
         state.files.delete(file.id)
+        erase_input_copies(session, file.id)
+    else:
+        erase_results(session, file.batch_id, ok=file.purpose == "batch_output")
     return schemas.FileDeleted(id=file.id)

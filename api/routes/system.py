@@ -11,11 +11,13 @@ from sqlalchemy import select, text
 
 from api import schemas
 from api.deps import SessionDep, StateDep, get_project
+from api.guard import KeyedRoute
 from ledger.models import WorkerRow
 from ledger.serving import unserved_models
 from worker.broker import ping
 
 router = APIRouter(tags=["system"])
+models = APIRouter(tags=["system"], route_class=KeyedRoute)  # wants a key, as every /v1 route
 
 
 @router.get("/healthz", response_model=schemas.Health)
@@ -49,7 +51,7 @@ async def readyz(state: StateDep):
     return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
 
 
-@router.get(
+@models.get(
     "/v1/models",
     response_model=schemas.ModelList,
     dependencies=[Depends(get_project)],
