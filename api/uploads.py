@@ -124,12 +124,13 @@ class _Part:
     name: str | None = None
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     header_bytes: int = 0
-    kind: str = "ignored"  # "file", "purpose" or "ignored"
+    kind: str = ""  # "file" or "purpose"
 
 
 class _Form:
     """python-multipart's callbacks for one upload form: the file part's data is handed on
-    (`take_file_data`), the purpose is kept, other parts are dropped as they go by."""
+    (`take_file_data`) and the purpose is kept; a part of any other name is refused, as every
+    field a client sends is either used or refused."""
 
     def __init__(self, purposes: tuple[str, ...]) -> None:
         self.purposes = purposes
@@ -196,6 +197,12 @@ class _Form:
         elif name == "purpose":
             self.purpose_bytes.clear()
             self.part.kind = "purpose"
+        else:
+            raise _invalid(
+                f"unknown form field {name[:64]!r}: an upload has the parts 'file' and 'purpose'",
+                param=name[:64],
+                code="unknown_parameter",
+            )
 
     def on_part_data(self, data: bytes, start: int, end: int) -> None:
         if self.part.kind == "file":

@@ -274,6 +274,19 @@ def test_a_chunked_upload_within_the_limit_is_stored_whole(door: Stack, tmp_path
     assert content.content == lines
 
 
+def test_an_upload_with_an_unknown_form_field_is_refused(door: Stack, tmp_path: Path):
+    api = door.start_api()
+    r = httpx.post(
+        f"{api}/v1/files",
+        files={"file": ("in.jsonl", json.dumps(batch_lines(1)[0]).encode() + b"\n")},
+        data={"purpose": "batch", "expires_after[seconds]": "3600"},
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "unknown_parameter" and error["param"] == "expires_after[seconds]"
+    assert httpx.get(f"{api}/v1/files").json()["data"] == []  # nothing was stored
+
+
 class KeptAlive:
     """Requests on one HTTP/1.1 connection; each checks the connection is still the first one
     (http.client opens a new one, silently, after the server closed it)."""
