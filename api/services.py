@@ -66,6 +66,7 @@ def check_window(window: str, longest: str) -> None:
             400,
             f"completion_window {window!r} is longer than the limit of {longest!r} "
             "(CONVEYOR_MAX_COMPLETION_WINDOW)",
+            code="invalid_request",
             param="completion_window",
         )
 
