@@ -193,30 +193,28 @@ class BatchRunner:
         if request is None:
             return
         if (error := getattr(output, "error", None)) is not None:
-            self._emit_error(
-                BatchRequestError(
-                    f"the engine failed on this request: {error}",
-                    code=INTERNAL_ERROR,
-                    line=request.line,
-                    custom_id=request.custom_id,
-                    status_code=500,
-                )
-            )
+            self._emit_internal_error(request, f"the engine failed on this request: {error}")
             return
         try:
             line = build_output_line(request, output, self.model_name, self.decoder)
         except Exception as err:
-            self._emit_error(
-                BatchRequestError(
-                    f"internal error while formatting the result: {type(err).__name__}: {err}",
-                    code=INTERNAL_ERROR,
-                    line=request.line,
-                    custom_id=request.custom_id,
-                    status_code=500,
-                )
+            self._emit_internal_error(
+                request,
+                f"internal error while formatting the result: {type(err).__name__}: {err}",
             )
             return
         self._emit(line, ok=True)
+
+    def _emit_internal_error(self, request: ParsedRequest, message: str) -> None:
+        self._emit_error(
+            BatchRequestError(
+                message,
+                code=INTERNAL_ERROR,
+                line=request.line,
+                custom_id=request.custom_id,
+                status_code=500,
+            )
+        )
 
     # ---- loop -----------------------------------------------------------------------------
     def run(self, lines: Iterable[tuple[int, bytes | str]]) -> BatchStats:
@@ -249,14 +247,8 @@ class BatchRunner:
         """The engine has nothing left but some requests never finished: report them."""
         for request_id, request in list(self.pending.items()):
             del self.pending[request_id]
-            self._emit_error(
-                BatchRequestError(
-                    "the engine dropped this request without finishing it",
-                    code=INTERNAL_ERROR,
-                    line=request.line,
-                    custom_id=request.custom_id,
-                    status_code=500,
-                )
+            self._emit_internal_error(
+                request, "the engine dropped this request without finishing it"
             )
 
 

@@ -268,11 +268,21 @@ def unfinished_requests(session: Session, batch_id: str, shard_index: int | None
     return session.execute(query.order_by(RequestRow.id)).scalars()
 
 
-def _close_unfinished(session: Session, batch_id: str, code: str, message: str) -> None:
+def _close_unfinished(
+    session: Session,
+    batch_id: str,
+    code: str,
+    message: str,
+    shard_index: int | None = None,
+    status_code: int | None = None,
+) -> None:
+    """An error line for each request of the batch (or of one shard) that has no result."""
     now = time.time()
     rows = []
-    for req in unfinished_requests(session, batch_id):
-        line = ob.build_error_line(req.custom_id, code, message, line=req.line, status_code=None)
+    for req in unfinished_requests(session, batch_id, shard_index):
+        line = ob.build_error_line(
+            req.custom_id, code, message, line=req.line, status_code=status_code
+        )
         line["id"] = new_line_id()
         rows.append(
             dict(
@@ -482,25 +492,7 @@ def _quarantine(
         f"while running it (CONVEYOR_MAX_SHARD_ATTEMPTS={failures}), so the shard is not run "
         "again; a request in it may make the engine fail"
     )
-    now = time.time()
-    rows = []
-    for req in unfinished_requests(session, batch_id, index):
-        line = ob.build_error_line(
-            req.custom_id, ob.REQUEST_QUARANTINED, message, line=req.line, status_code=500
-        )
-        line["id"] = new_line_id()
-        rows.append(
-            dict(
-                request_id=req.id,
-                batch_id=batch_id,
-                line_id=line["id"],
-                ok=False,
-                output=json.dumps(line),
-                created_at=now,
-            )
-        )
-    for start in range(0, len(rows), 2000):
-        record_results(session, rows[start : start + 2000])
+    _close_unfinished(session, batch_id, ob.REQUEST_QUARANTINED, message, index, 500)
     close_shards(session, [(shard_id, batch_id)], heartbeat_timeout)
 
 

@@ -381,8 +381,14 @@ def batch_lines(
     ]
 
 
-def submit_batch(api: str, path: Path, headers: dict[str, str] | None = None) -> str:
-    """Upload a JSONL file and create a chat-completions batch of it; returns the batch id."""
+def submit_batch(
+    api: str,
+    path: Path,
+    headers: dict[str, str] | None = None,
+    endpoint: str = "/v1/chat/completions",
+) -> str:
+    """Upload a JSONL file and create a batch of it (chat completions unless `endpoint` says
+    otherwise); returns the batch id."""
     with open(path, "rb") as f:
         upload = httpx.post(
             f"{api}/v1/files",
@@ -392,7 +398,7 @@ def submit_batch(api: str, path: Path, headers: dict[str, str] | None = None) ->
             timeout=120,
         )
     upload.raise_for_status()
-    body = {"input_file_id": upload.json()["id"], "endpoint": "/v1/chat/completions"}
+    body = {"input_file_id": upload.json()["id"], "endpoint": endpoint}
     created = httpx.post(f"{api}/v1/batches", json=body, headers=headers, timeout=120)
     created.raise_for_status()
     return created.json()["id"]

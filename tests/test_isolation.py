@@ -102,22 +102,6 @@ def project_headers(stack: Stack, name: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {done.stdout.strip().splitlines()[-1]}"}
 
 
-def submit(api: str, path: Path, headers: dict[str, str], endpoint: str = CHAT) -> str:
-    with open(path, "rb") as f:
-        upload = httpx.post(
-            f"{api}/v1/files",
-            files={"file": (path.name, f)},
-            data={"purpose": "batch"},
-            headers=headers,
-            timeout=60,
-        )
-    assert upload.status_code == 200, upload.text
-    body = {"input_file_id": upload.json()["id"], "endpoint": endpoint}
-    created = httpx.post(f"{api}/v1/batches", json=body, headers=headers, timeout=60)
-    assert created.status_code == 200, created.text
-    return created.json()["id"]
-
-
 def completion_lines(n: int, prefix: str) -> list[dict]:
     return [
         {
@@ -181,12 +165,12 @@ def test_poison_lines_fail_alone_and_stall_no_one(stack: Stack, tmp_path: Path) 
     chat, completions = poison_batches(tmp_path)
     api, a, b = deployment.api, deployment.a, deployment.b
     ids = (
-        submit(api, write_jsonl(tmp_path / "a.jsonl", chat), a),
-        submit(api, write_jsonl(tmp_path / "ac.jsonl", completions), a, COMPLETIONS),
+        submit_batch(api, write_jsonl(tmp_path / "a.jsonl", chat), a),
+        submit_batch(api, write_jsonl(tmp_path / "ac.jsonl", completions), a, COMPLETIONS),
     )
     others = batch_lines(40, prefix="b", system="Project B's system prompt.")
     started = time.time()
-    b_id = submit(api, write_jsonl(tmp_path / "b.jsonl", others), b)
+    b_id = submit_batch(api, write_jsonl(tmp_path / "b.jsonl", others), b)
 
     batch = deployment.wait(b_id, b, timeout=30)  # the other project is not held up
     assert batch["status"] == "completed", batch
@@ -204,11 +188,11 @@ def test_poison_lines_stall_no_one_after_a_worker_is_killed(stack: Stack, tmp_pa
     chat, completions = poison_batches(tmp_path)
     api, a, b = deployment.api, deployment.a, deployment.b
     ids = (
-        submit(api, write_jsonl(tmp_path / "a.jsonl", chat), a),
-        submit(api, write_jsonl(tmp_path / "ac.jsonl", completions), a, COMPLETIONS),
+        submit_batch(api, write_jsonl(tmp_path / "a.jsonl", chat), a),
+        submit_batch(api, write_jsonl(tmp_path / "ac.jsonl", completions), a, COMPLETIONS),
     )
     others = batch_lines(40, prefix="b", system="Project B's system prompt.")
-    b_id = submit(api, write_jsonl(tmp_path / "b.jsonl", others), b)
+    b_id = submit_batch(api, write_jsonl(tmp_path / "b.jsonl", others), b)
     deadline = time.time() + 60
     while query(stack, "SELECT count(*) FROM results WHERE ok")[0][0] < 8:
         assert time.time() < deadline, stack.log("w1")[-3000:]
@@ -248,9 +232,9 @@ def test_what_the_engine_cannot_take_or_the_ledger_cannot_store_fails_alone(
     lines[1]["body"]["prompt"] = "TOKENIZER-FAILS here"
     lines[4]["body"]["prompt"] = "ODD text"
     lines[5]["body"]["prompt"] = "a NUL \x00 is text"  # storable: JSON escapes it
-    a_id = submit(api, write_jsonl(tmp_path / "a.jsonl", lines), a, COMPLETIONS)
+    a_id = submit_batch(api, write_jsonl(tmp_path / "a.jsonl", lines), a, COMPLETIONS)
     others = batch_lines(20, prefix="b")
-    b_id = submit(api, write_jsonl(tmp_path / "b.jsonl", others), b)
+    b_id = submit_batch(api, write_jsonl(tmp_path / "b.jsonl", others), b)
 
     batch = deployment.wait(a_id, a, timeout=30)
     assert batch["request_counts"] == {"total": 6, "completed": 5, "failed": 1}, batch
@@ -277,10 +261,10 @@ def test_a_shard_that_keeps_killing_its_worker_is_quarantined(stack: Stack, tmp_
     w1 = stack.start_worker("w1", "echo", "--concurrency", "1", launcher=launcher)
     poisoned = batch_lines(12, prefix="a")  # shards: lines 1-8 and 9-12
     poisoned[1]["body"]["messages"][1]["content"] += " KILLS-THE-ENGINE"
-    a_id = submit(api, write_jsonl(tmp_path / "a.jsonl", poisoned), a)
+    a_id = submit_batch(api, write_jsonl(tmp_path / "a.jsonl", poisoned), a)
     others = batch_lines(16, prefix="b", system="Project B's system prompt.")
     started = time.time()
-    b_id = submit(api, write_jsonl(tmp_path / "b.jsonl", others), b)
+    b_id = submit_batch(api, write_jsonl(tmp_path / "b.jsonl", others), b)
 
     exits, b_done = [], None
     deadline = time.time() + 240
