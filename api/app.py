@@ -15,10 +15,10 @@ from api.metrics import api_registry
 from api.routes import batches, files, system
 from api.storage import FileStore
 from conveyor import __version__
+from conveyor.dispatch.celery_app import make_celery
+from conveyor.dispatch.reconciler import ReconcilerLoop
 from conveyor.settings import Settings
 from ledger.db import Ledger
-from worker.celery_app import make_celery
-from worker.reconciler import ReconcilerLoop
 
 log = logging.getLogger(__name__)
 

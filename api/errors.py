@@ -11,6 +11,8 @@ from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from conveyor.batch_format.errors import DATABASE_UNAVAILABLE, INVALID_REQUEST, NOT_FOUND
+
 log = logging.getLogger(__name__)
 
 
@@ -37,7 +39,7 @@ class APIError(Exception):
 
 
 def not_found(kind: str, object_id: str) -> APIError:
-    return APIError(404, f"no {kind} with id {object_id!r}", code="not_found")
+    return APIError(404, f"no {kind} with id {object_id!r}", code=NOT_FOUND)
 
 
 def _body(message: str, type: str, code: str | None = None, param: str | None = None) -> dict:
@@ -61,7 +63,7 @@ def install(app: FastAPI) -> None:
             msg = str(item.get("msg", "invalid")).removeprefix("Value error, ")
             problems.append(f"{'.'.join(loc) or 'request'}: {msg}")
         return JSONResponse(
-            _body("; ".join(problems), "invalid_request_error", "invalid_request", param), 400
+            _body("; ".join(problems), "invalid_request_error", INVALID_REQUEST, param), 400
         )
 
     @app.exception_handler(StarletteHTTPException)
@@ -79,7 +81,7 @@ def install(app: FastAPI) -> None:
             _body(
                 "the ledger database is unavailable; retry shortly",
                 "server_error",
-                "database_unavailable",
+                DATABASE_UNAVAILABLE,
             ),
             503,
             headers={"Retry-After": "5"},

@@ -22,7 +22,9 @@ from starlette.types import Receive, Scope, Send
 
 from api.deps import AppState
 from api.errors import APIError, not_found
-from api.params import ID_CHARS, unstorable
+from api.params import ID_CHARS
+from conveyor.batch_format.errors import INVALID_API_KEY, INVALID_REQUEST, REQUEST_TOO_LARGE
+from conveyor.batch_format.text import unstorable
 from conveyor.settings import Settings
 from ledger.keys import find_key
 from ledger.models import DEFAULT_PROJECT
@@ -49,7 +51,7 @@ class KeyedRoute(APIRoute):
             413,
             f"the request body is larger than the limit of {settings.max_json_body_bytes} "
             "bytes (CONVEYOR_MAX_JSON_BODY_BYTES)",
-            code="request_too_large",
+            code=REQUEST_TOO_LARGE,
         )
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -115,7 +117,7 @@ def _key_project(state: AppState, secret: str) -> str | None:
 
 
 def unauthorized(message: str) -> APIError:
-    return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return APIError(401, message, code=INVALID_API_KEY, headers={"WWW-Authenticate": "Bearer"})
 
 
 def declared_length(scope: Scope) -> int | None:
@@ -148,5 +150,5 @@ def check_json_depth(body: bytes) -> None:
         raise APIError(
             400,
             f"the JSON body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",
-            code="invalid_request",
+            code=INVALID_REQUEST,
         )

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import get_args
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
-from api.schemas import BatchStatus
 from ledger.db import Ledger
 from ledger.models import BatchRow, ShardRow
 from ledger.serving import unserved_models
-
-BATCH_STATUSES = get_args(BatchStatus)
+from ledger.states import BatchStatus, ShardStatus
 
 
 class LedgerCollector(Collector):
@@ -32,14 +29,14 @@ class LedgerCollector(Collector):
             queued = session.execute(
                 select(BatchRow.model, func.coalesce(func.sum(ShardRow.size), 0))
                 .join(BatchRow, BatchRow.id == ShardRow.batch_id)
-                .where(ShardRow.status == "queued")
+                .where(ShardRow.status == ShardStatus.QUEUED)
                 .group_by(BatchRow.model)
             ).all()
             unserved = unserved_models(session)
         batches = GaugeMetricFamily(
             "conveyor:batches", "Batches in the ledger by status.", labels=["status"]
         )
-        for status in BATCH_STATUSES:
+        for status in BatchStatus:
             batches.add_metric([status], by_status.get(status, 0))
         yield batches
         depth = GaugeMetricFamily(

@@ -9,26 +9,13 @@ from typing import Annotated
 
 from pydantic import AfterValidator, StringConstraints
 
+from conveyor.batch_format.text import unstorable
 from ledger.models import BatchRow, FileRow, ResultRow
 
 ID_CHARS = FileRow.__table__.c.id.type.length
 assert ID_CHARS == BatchRow.__table__.c.id.type.length == ResultRow.__table__.c.line_id.type.length
 IDEMPOTENCY_KEY_CHARS = BatchRow.__table__.c.idempotency_key.type.length
 PURPOSE_CHARS = FileRow.__table__.c.purpose.type.length
-
-
-def unstorable(value: str, max_chars: int | None = None) -> str | None:
-    """Why the ledger cannot hold `value` (in a column of `max_chars`), if it cannot."""
-    if max_chars is not None and len(value) > max_chars:
-        return f"is longer than {max_chars} characters"
-    if "\x00" in value:
-        return "must not contain NUL characters"
-    if not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return "must not contain lone surrogates (it is not valid Unicode)"
-    return None
 
 
 def _storable(value: str) -> str:

@@ -13,17 +13,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from api.params import IdText
 from conveyor.settings import window_seconds
-
-BatchStatus = Literal[
-    "validating",
-    "failed",
-    "in_progress",
-    "finalizing",
-    "completed",
-    "expired",
-    "cancelling",
-    "cancelled",
-]
+from ledger.states import BatchStatus
 
 
 class FileObject(BaseModel):

@@ -15,8 +15,10 @@ from starlette.requests import ClientDisconnect, Request
 
 from api.errors import APIError
 from api.guard import KeyedRoute
-from api.params import unstorable
-from api.storage import UploadWriter, file_too_large
+from api.storage import UploadWriter, too_large
+from conveyor.batch_format.errors import EMPTY_FILE, INVALID_REQUEST, UNKNOWN_PARAMETER
+from conveyor.batch_format.lines import file_too_large
+from conveyor.batch_format.text import unstorable
 from conveyor.settings import Settings
 from ledger.models import FileRow
 
@@ -59,7 +61,7 @@ class UploadRoute(KeyedRoute):
         return settings.max_upload_bytes + MULTIPART_OVERHEAD
 
     def too_large(self, settings: Settings) -> APIError:
-        return file_too_large(settings.max_upload_bytes)
+        return too_large(file_too_large(settings.max_upload_bytes))
 
 
 @dataclass
@@ -92,7 +94,7 @@ async def receive_upload(
         if block:
             await run_in_threadpool(writer.write, bytes(block))
         if not writer.size:
-            raise APIError(400, "the file is empty", code="empty_file", param="file")
+            raise APIError(400, "the file is empty", code=EMPTY_FILE, param="file")
         size, lines = await run_in_threadpool(writer.commit)
         committed = True
     except FormParserError as err:
@@ -111,7 +113,7 @@ def _boundary(request: Request) -> bytes:
         raise _invalid(
             "a file is uploaded as a multipart/form-data body with the parts 'file' and 'purpose'",
             param="file",
-            code="invalid_request",
+            code=INVALID_REQUEST,
         )
     boundary = options.get(b"boundary")
     if not boundary:
@@ -201,7 +203,7 @@ class _Form:
             raise _invalid(
                 f"unknown form field {name[:64]!r}: an upload has the parts 'file' and 'purpose'",
                 param=name[:64],
-                code="unknown_parameter",
+                code=UNKNOWN_PARAMETER,
             )
 
     def on_part_data(self, data: bytes, start: int, end: int) -> None:
@@ -227,9 +229,9 @@ class _Form:
         if not self.ended:
             raise _invalid("the multipart/form-data body ends before its closing boundary")
         if self.filename is None:
-            raise _invalid("file: Field required", param="file", code="invalid_request")
+            raise _invalid("file: Field required", param="file", code=INVALID_REQUEST)
         if self.purpose is None:
-            raise _invalid("purpose: Field required", param="purpose", code="invalid_request")
+            raise _invalid("purpose: Field required", param="purpose", code=INVALID_REQUEST)
 
 
 def _text(raw: bytes) -> str:

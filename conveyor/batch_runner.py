@@ -12,25 +12,24 @@ keeps this module free of torch imports until an engine is actually handed in.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, Any
 
-from conveyor.openai_batch import (
+from conveyor.batch_format.errors import (
     CHAT_TEMPLATE_ERROR,
     INTERNAL_ERROR,
     INVALID_SAMPLING_PARAMS,
-    BatchLineParser,
     BatchRequestError,
-    ParsedRequest,
-    TokenDecoder,
-    build_output_line,
     classify_engine_error,
+)
+from conveyor.batch_format.request_line import BatchLineParser, ParsedRequest, peek_custom_id
+from conveyor.batch_format.result_lines import (
+    build_output_line,
     dump_line,
     error_line_from_exception,
-    peek_custom_id,
 )
+from conveyor.batch_format.token_text import TokenDecoder
 
 
 @dataclass
@@ -38,24 +37,6 @@ class BatchStats:
     lines: int = 0  # non-blank input lines handled
     succeeded: int = 0
     failed: int = 0
-
-
-def count_request_lines(path: str | Path) -> int:
-    """Non-blank lines in `path`, read in a streaming way."""
-    n = 0
-    with open(path, "rb") as f:
-        for raw in f:
-            if raw.strip():
-                n += 1
-    return n
-
-
-def iter_request_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, raw line) for each non-blank line of `path`."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if raw.strip():
-                yield lineno, raw
 
 
 # SamplingParams field -> the request body field it comes from, to name it in errors.
@@ -256,6 +237,4 @@ __all__ = [
     "BatchRunner",
     "prepare_request",
     "BatchStats",
-    "count_request_lines",
-    "iter_request_lines",
 ]

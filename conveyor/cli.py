@@ -239,7 +239,8 @@ def _fail(command: str, message: str, code: int = 1) -> int:
 
 
 def _cmd_run_batch(args: argparse.Namespace) -> int:
-    from conveyor.batch_runner import BatchRunner, count_request_lines, iter_request_lines
+    from conveyor.batch_format.lines import count_request_lines, iter_request_lines
+    from conveyor.batch_runner import BatchRunner
 
     command = "run-batch"
     input_path = Path(args.input)

@@ -7,7 +7,7 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from ledger.models import BatchRow, RequestRow, ResultRow
-from ledger.transitions import TERMINAL
+from ledger.states import TERMINAL
 
 
 def erase_results(session: Session, batch_id: str, ok: bool) -> None:

@@ -23,6 +23,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from conveyor.batch_format.validation import CUSTOM_ID_MAX_CHARS, MODEL_MAX_CHARS
+
 # BIGINT on Postgres, INTEGER on SQLite (where only INTEGER PRIMARY KEY autoincrements)
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
@@ -81,7 +83,7 @@ class BatchRow(Base):
     input_file_id: Mapped[str] = mapped_column(String(64))
     endpoint: Mapped[str] = mapped_column(String(64))
     completion_window: Mapped[str] = mapped_column(String(16))
-    model: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    model: Mapped[str | None] = mapped_column(String(MODEL_MAX_CHARS), nullable=True)
     status: Mapped[str] = mapped_column(String(16), index=True)
     metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, nullable=True)
     errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
@@ -145,7 +147,7 @@ class RequestRow(Base):
     batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))
     shard_index: Mapped[int | None] = mapped_column(Integer, nullable=True)  # None: rejected
     line: Mapped[int] = mapped_column(Integer)
-    custom_id: Mapped[str] = mapped_column(String(512))
+    custom_id: Mapped[str] = mapped_column(String(CUSTOM_ID_MAX_CHARS))
     raw: Mapped[str] = mapped_column(Text)  # the input line as uploaded
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     worker: Mapped[str | None] = mapped_column(String(255), nullable=True)

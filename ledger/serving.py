@@ -11,6 +11,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from ledger.models import BatchRow
+from ledger.states import BatchStatus
 
 
 def note_serving(session: Session, is_served: Callable[[str], bool]) -> None:
@@ -18,7 +19,7 @@ def note_serving(session: Session, is_served: Callable[[str], bool]) -> None:
     now (keeping an earlier mark), and clear the mark of those whose model is served again."""
     rows = session.execute(
         select(BatchRow.id, BatchRow.model, BatchRow.unserved_since).where(
-            BatchRow.status == "in_progress"
+            BatchRow.status == BatchStatus.IN_PROGRESS
         )
     ).all()
     served = {model: is_served(model) for model in {row.model or "" for row in rows}}
@@ -36,7 +37,14 @@ def unserved_models(session: Session) -> Counter[str]:
     """Model -> in-progress batches waiting for a worker that serves it."""
     rows = session.execute(
         select(BatchRow.model).where(
-            BatchRow.status == "in_progress", BatchRow.unserved_since.is_not(None)
+            BatchRow.status == BatchStatus.IN_PROGRESS, BatchRow.unserved_since.is_not(None)
         )
     ).scalars()
     return Counter(model or "" for model in rows)
+
+
+def note_new_batch(batch: BatchRow, served: bool) -> None:
+    """A batch just opened is noted at once, not at the next reconcile, when no live worker
+    serves its model."""
+    if not served and batch.status == BatchStatus.IN_PROGRESS:
+        batch.unserved_since = time.time()

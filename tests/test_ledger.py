@@ -16,9 +16,9 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from services import batch_lines
 
+from conveyor.batch_format.validation import validate
 from conveyor.settings import normalize_database_url
-from ledger import intake
-from ledger import transitions as tr
+from ledger import intake, results, shard_lifecycle
 from ledger.db import Ledger
 from ledger.migrate import alembic_config
 from ledger.models import Base, BatchRow, RequestRow, ResultRow, ShardRow
@@ -69,7 +69,7 @@ def test_migrate_creates_the_ledger(backend, empty_database, tmp_path: Path):
 def make_batch(ledger: Ledger, lines: list[dict], shard_size: int = 4) -> tuple[str, list]:
     data = "".join(json.dumps(x) + "\n" for x in lines).encode()
     f = io.BytesIO(data)
-    validation = intake.validate(f, "/v1/chat/completions", 1 << 20, 1000)
+    validation = validate(f, "/v1/chat/completions", 1 << 20, 1000)
     assert not validation.errors
     with ledger.session() as session:
         batch = BatchRow(
@@ -88,7 +88,7 @@ def make_batch(ledger: Ledger, lines: list[dict], shard_size: int = 4) -> tuple[
         return batch.id, [(s.id, s.index, s.prefix_key) for s in shards]
 
 
-def tally_results(session, batch_id: str) -> tr.Counts:
+def tally_results(session, batch_id: str) -> results.Counts:
     """A batch's totals counted from its result rows: what its counters must equal."""
     row = session.execute(
         sa.select(
@@ -99,7 +99,7 @@ def tally_results(session, batch_id: str) -> tr.Counts:
             sa.func.coalesce(sa.func.sum(ResultRow.cached_tokens), 0),
         ).where(ResultRow.batch_id == batch_id)
     ).one()
-    return tr.Counts(*(int(x) for x in row))
+    return results.Counts(*(int(x) for x in row))
 
 
 def test_a_result_is_recorded_at_most_once(database_url: str):
@@ -122,9 +122,9 @@ def test_a_result_is_recorded_at_most_once(database_url: str):
         )
 
     with ledger.session() as session:
-        tr.record_results(session, [row("first")])
+        results.record_results(session, [row("first")])
     with ledger.session() as session:
-        tr.record_results(session, [row("second")])  # a redelivered shard's duplicate
+        results.record_results(session, [row("second")])  # a redelivered shard's duplicate
     with ledger.session() as session:
         outputs = (
             session.execute(sa.select(ResultRow.output).where(ResultRow.request_id == rid))
@@ -133,7 +133,7 @@ def test_a_result_is_recorded_at_most_once(database_url: str):
         )
         assert outputs == ["first"]
         # the batch's running counters counted the first result only
-        counted = tr.counts(session.get(BatchRow, batch_id))
+        counted = results.counts(session.get(BatchRow, batch_id))
         assert counted == tally_results(session, batch_id)
         assert (counted.completed, counted.failed, counted.prompt_tokens) == (1, 0, 7)
         assert (counted.completion_tokens, counted.cached_tokens) == (3, 2)
@@ -197,34 +197,38 @@ def test_a_shard_runs_to_the_end_of_its_batch(any_ledger: Ledger):
     batch_id, shards = make_batch(any_ledger, batch_lines(6), shard_size=3)
     (first_id, _, _), (second_id, _, _) = shards
     with any_ledger.session() as session:
-        claim = tr.claim_shard(session, first_id, "w1")
+        claim = shard_lifecycle.claim_shard(session, first_id, "w1")
     assert claim is not None and claim.batch_id == batch_id and len(claim.requests) == 3
     assert claim.model == "tiny"
     done_ids = [request_id for request_id, _, _ in claim.requests[:2]]
     with any_ledger.session() as session:
-        tr.record_results(session, [result_row(batch_id, i) for i in done_ids])
-        tr.close_shards(session, [(first_id, batch_id)], 60)
+        results.record_results(session, [result_row(batch_id, i) for i in done_ids])
+        shard_lifecycle.close_shards(session, [(first_id, batch_id)], 60)
     with any_ledger.session() as session:
         assert session.get(ShardRow, first_id).status == "queued"  # one request left
-        again = tr.claim_shard(session, first_id, "w2")
+        again = shard_lifecycle.claim_shard(session, first_id, "w2")
     assert again is not None and [r[0] for r in again.requests] == [claim.requests[2][0]]
     with any_ledger.session() as session:
         shard = session.get(ShardRow, first_id)
         assert (shard.status, shard.attempts, shard.worker) == ("running", 2, "w2")
-        tr.record_results(session, [result_row(batch_id, again.requests[0][0], ok=False)])
-        tr.close_shards(session, [(first_id, batch_id)], 60)
+        results.record_results(session, [result_row(batch_id, again.requests[0][0], ok=False)])
+        shard_lifecycle.close_shards(session, [(first_id, batch_id)], 60)
     with any_ledger.session() as session:
         assert session.get(BatchRow, batch_id).status == "in_progress"  # the second shard is open
     with any_ledger.session() as session:
-        second = tr.claim_shard(session, second_id, "w1")
-        tr.record_results(session, [result_row(batch_id, r[0]) for r in second.requests])
-        tr.close_shards(session, [(second_id, batch_id)], 60)  # the last one: the batch completes
+        second = shard_lifecycle.claim_shard(session, second_id, "w1")
+        results.record_results(session, [result_row(batch_id, r[0]) for r in second.requests])
+        shard_lifecycle.close_shards(
+            session, [(second_id, batch_id)], 60
+        )  # the last one: the batch completes
     with any_ledger.session() as session:
         batch = session.get(BatchRow, batch_id)
         assert batch.status == "completed"
         assert (batch.completed_count, batch.failed_count) == (5, 1)
         assert batch.output_file_id and batch.error_file_id
-        assert tr.claim_shard(session, second_id, "w1") is None  # a finished batch runs nothing
+        assert (
+            shard_lifecycle.claim_shard(session, second_id, "w1") is None
+        )  # a finished batch runs nothing
 
 
 def test_a_cancelled_batch_gives_no_shard_to_run(any_ledger: Ledger):
@@ -232,7 +236,7 @@ def test_a_cancelled_batch_gives_no_shard_to_run(any_ledger: Ledger):
     with any_ledger.session() as session:
         session.get(BatchRow, batch_id).status = "cancelling"
     with any_ledger.session() as session:
-        assert tr.claim_shard(session, shards[0][0], "w1") is None
+        assert shard_lifecycle.claim_shard(session, shards[0][0], "w1") is None
         assert session.get(ShardRow, shards[0][0]).attempts == 0
 
 
@@ -242,9 +246,11 @@ def test_a_shard_that_keeps_failing_is_quarantined(any_ledger: Ledger):
     lines = batch_lines(5)
     batch_id, [(shard_id, _, _)] = make_batch(any_ledger, lines, shard_size=5)
 
-    def claim() -> tr.ClaimedShard | None:
+    def claim() -> shard_lifecycle.ClaimedShard | None:
         with any_ledger.session() as session:
-            return tr.claim_shard(session, shard_id, "w1", max_attempts=2, heartbeat_timeout=60)
+            return shard_lifecycle.claim_shard(
+                session, shard_id, "w1", max_attempts=2, heartbeat_timeout=60
+            )
 
     def attempts() -> int:
         with any_ledger.session() as session:
@@ -253,9 +259,9 @@ def test_a_shard_that_keeps_failing_is_quarantined(any_ledger: Ledger):
     first = claim()
     assert first is not None and len(first.requests) == 5 and not first.quarantined
     with any_ledger.session() as session:  # two results, then a clean hand-back (SIGTERM)
-        tr.record_results(session, [result_row(batch_id, r[0]) for r in first.requests[:2]])
-        tr.close_shards(session, [(shard_id, batch_id)], 60)
-        tr.give_back_attempt(session, shard_id)
+        results.record_results(session, [result_row(batch_id, r[0]) for r in first.requests[:2]])
+        shard_lifecycle.close_shards(session, [(shard_id, batch_id)], 60)
+        shard_lifecycle.give_back_attempt(session, shard_id)
     assert attempts() == 0
     for failures in (1, 2):  # runs whose worker died: re-sent without a close
         again = claim()
@@ -275,7 +281,7 @@ def test_a_shard_that_keeps_failing_is_quarantined(any_ledger: Ledger):
         assert shard.status == "done"
         assert batch.status == "completed"  # its last shard: the batch finished
         assert (batch.completed_count, batch.failed_count) == (2, 3)
-        assert tr.counts(batch) == tally_results(session, batch_id)
+        assert results.counts(batch) == tally_results(session, batch_id)
     taken = {r[0] for r in first.requests[2:]}
     assert len(errors) == 3
     for error in errors:

@@ -12,9 +12,9 @@ from services import Stack, batch_lines, wait_for, write_jsonl
 from test_service import submit
 from test_service_recovery import assert_each_once, ledger, wait_results, worker_stats
 
-from conveyor import openai_batch as ob
-from ledger.intake import prefix_key
-from worker.routing import owner
+from conveyor.batch_format.prefix import prefix_key
+from conveyor.batch_format.request_line import parse_request_object
+from conveyor.dispatch.routing import owner
 
 
 def systems_owned_by(workers: list[str]) -> list[str]:
@@ -24,7 +24,7 @@ def systems_owned_by(workers: list[str]) -> list[str]:
     while len(found) < len(workers):
         system = f"You are assistant number {i}. Think step by step."
         line = batch_lines(1, system=system)[0]
-        key = prefix_key(ob.parse_request_object(line))
+        key = prefix_key(parse_request_object(line))
         found.setdefault(owner(key, sorted(workers)), system)
         i += 1
     return [found[w] for w in workers]

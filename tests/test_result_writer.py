@@ -9,12 +9,13 @@ import sqlalchemy as sa
 from services import batch_lines
 from test_ledger import make_batch, tally_results
 
-from conveyor import openai_batch as ob
+from conveyor.batch_format.errors import INTERNAL_ERROR
 from conveyor.settings import normalize_database_url
-from ledger import transitions as tr
 from ledger.db import Ledger
 from ledger.models import BatchRow, ResultRow, ShardRow
-from worker.writer import ResultWriter, ShardTally, WriteItem
+from ledger.results import counts
+from ledger.shard_lifecycle import claim_shard
+from worker.writer import PendingResults, ResultWriter, WriteItem
 
 
 def output_row(batch_id: str, request_id: int, custom_id: str, text: str) -> dict:
@@ -38,15 +39,15 @@ def output_row(batch_id: str, request_id: int, custom_id: str, text: str) -> dic
     )
 
 
-def claimed_batch(ledger: Ledger) -> tuple[str, list[tuple[ShardTally, list]]]:
-    """A batch of 6 requests in 2 shards, both claimed: (batch id, [(tally, requests)])."""
+def claimed_batch(ledger: Ledger) -> tuple[str, list[tuple[PendingResults, list]]]:
+    """A batch of 6 requests in 2 shards, both claimed: (batch id, [(pending, requests)])."""
     batch_id, shards = make_batch(ledger, batch_lines(6), shard_size=3)
     claimed = []
     for shard_id, _, _ in shards:
         with ledger.session() as session:
-            claim = tr.claim_shard(session, shard_id, "w1")
+            claim = claim_shard(session, shard_id, "w1")
         assert claim is not None
-        claimed.append((ShardTally(shard_id, batch_id, len(claim.requests)), claim.requests))
+        claimed.append((PendingResults(shard_id, batch_id, len(claim.requests)), claim.requests))
     return batch_id, claimed
 
 
@@ -67,11 +68,11 @@ def test_a_row_that_cannot_be_stored_becomes_its_error_line(database_url: str) -
     batch_id, claimed = claimed_batch(ledger)
     writer = ResultWriter(ledger, heartbeat_timeout=60)
     items, bad = [], {}
-    for tally, requests in claimed:
+    for pending, requests in claimed:
         names = custom_ids(ledger, requests)
         for request_id, line, _ in requests:
             row = output_row(batch_id, request_id, names[request_id], f"answer {line}")
-            items.append(WriteItem(row, tally, names[request_id], line))
+            items.append(WriteItem(row, pending, names[request_id], line))
     # one row per shard the ledger cannot take: a lone surrogate in the output (echoed
     # input), a NUL in a varchar column
     items[1].row["output"] = items[1].row["output"].replace("answer", "answer \ud800")
@@ -81,8 +82,8 @@ def test_a_row_that_cannot_be_stored_becomes_its_error_line(database_url: str) -
         writer.put(item)
     writer.start()
     try:
-        for tally, _ in claimed:
-            assert tally.wait(30), "a shard's results were never all committed"
+        for pending, _ in claimed:
+            assert pending.wait(30), "a shard's results were never all committed"
     finally:
         writer.stop()
         writer.join(10)
@@ -102,7 +103,7 @@ def test_a_row_that_cannot_be_stored_becomes_its_error_line(database_url: str) -
         line = json.loads(row.output)
         assert line["custom_id"] == item.custom_id and line["id"] == row.line_id
         assert line["response"]["status_code"] == 500
-        assert line["error"]["code"] == ob.INTERNAL_ERROR and line["error"]["line"] == item.line
+        assert line["error"]["code"] == INTERNAL_ERROR and line["error"]["line"] == item.line
         assert line["error"]["message"].startswith("the result could not be stored: ")
         assert (row.prompt_tokens, row.completion_tokens, row.worker) == (0, 0, "w1")
     why = {rid: json.loads(rows[rid].output)["error"]["message"] for rid in bad}
@@ -113,7 +114,7 @@ def test_a_row_that_cannot_be_stored_becomes_its_error_line(database_url: str) -
     assert shards == ["done", "done"]
     assert batch.status == "completed"
     assert (batch.completed_count, batch.failed_count) == (4, 2)
-    assert tr.counts(batch) == counted
+    assert counts(batch) == counted
     assert writer.committed == 6
     ledger.dispose()
 
@@ -132,14 +133,14 @@ def test_a_database_that_refuses_every_write_does_not_turn_results_into_errors(
         conn.execute(sa.text(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on'))
     ledger.dispose()  # new connections are read-only
     writer = ResultWriter(ledger, heartbeat_timeout=60)
-    tally, requests = claimed[0]
+    pending, requests = claimed[0]
     names = custom_ids(ledger, requests)
     for request_id, line, _ in requests:
         row = output_row(batch_id, request_id, names[request_id], "fine")
-        writer.put(WriteItem(row, tally, names[request_id], line))
+        writer.put(WriteItem(row, pending, names[request_id], line))
     writer.start()
     try:
-        assert not tally.wait(2)  # refused, and not settled with error lines either
+        assert not pending.wait(2)  # refused, and not settled with error lines either
         with admin.connect() as conn:
             conn.execute(sa.text(f'ALTER DATABASE "{name}" RESET default_transaction_read_only'))
             conn.execute(
@@ -149,7 +150,7 @@ def test_a_database_that_refuses_every_write_does_not_turn_results_into_errors(
                 ),
                 {"db": name},
             )
-        assert tally.wait(30)
+        assert pending.wait(30)
     finally:
         writer.stop()
         writer.join(10)

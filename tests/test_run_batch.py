@@ -1,4 +1,4 @@
-"""`conveyor run-batch` and the OpenAI Batch format helpers in `conveyor.openai_batch`."""
+"""`conveyor run-batch` and the OpenAI Batch format in `conveyor.batch_format`."""
 
 from __future__ import annotations
 
@@ -11,17 +11,15 @@ from typing import Any
 
 import pytest
 
-from conveyor.openai_batch import (
-    CHAT_URL,
-    COMPLETIONS_URL,
+from conveyor.batch_format.bodies import CHAT_URL, COMPLETIONS_URL
+from conveyor.batch_format.errors import BatchRequestError
+from conveyor.batch_format.request_line import (
     BatchLineParser,
-    BatchRequestError,
-    TokenDecoder,
-    build_error_line,
-    build_output_line,
     parse_request_line,
     parse_request_object,
 )
+from conveyor.batch_format.result_lines import build_error_line, build_output_line
+from conveyor.batch_format.token_text import TokenDecoder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -570,7 +568,7 @@ def test_completion_output_line_plain_and_prompt_only() -> None:
 
 def test_error_line_shape() -> None:
     err = parse_error(line("a", "/v1/embeddings", {}), lineno=3)
-    from conveyor.openai_batch import error_line_from_exception
+    from conveyor.batch_format.result_lines import error_line_from_exception
 
     result = error_line_from_exception(err)
     assert result["id"].startswith("batch_req_") and result["custom_id"] == "a"
@@ -598,9 +596,10 @@ def test_token_decoder_bytes_for_byte_level_bpe() -> None:
     assert raw == "héllo wörld".encode()
 
 
-def test_openai_batch_and_cli_help_do_not_import_torch() -> None:
+def test_batch_format_and_cli_help_do_not_import_torch() -> None:
     code = (
-        "import sys, conveyor.openai_batch, conveyor.cli;"
+        "import sys, conveyor.batch_format.result_lines, conveyor.batch_format.validation;"
+        "import conveyor.cli;"
         "conveyor.cli.build_parser();"
         "bad = [m for m in ('torch', 'engine', 'transformers') if m in sys.modules];"
         "assert not bad, bad"
@@ -942,7 +941,7 @@ def test_runner_writes_lines_that_hold_lone_surrogates(tmp_path: Path) -> None:
 
 
 def test_dump_line_keeps_text_unless_it_cannot_be_utf8() -> None:
-    from conveyor.openai_batch import dump_line
+    from conveyor.batch_format.result_lines import dump_line
 
     assert dump_line({"t": "é 😀"}) == '{"t": "é 😀"}'
     assert dump_line({"t": "é \ud800"}) == '{"t": "\\u00e9 \\ud800"}'

@@ -193,8 +193,8 @@ def test_unserved_model_waits_then_expires(stack: Stack, chat_model: Path, tmp_p
 
 
 def test_visibility_timeout_is_set_everywhere_celery_reads_it():
+    from conveyor.dispatch.celery_app import make_celery
     from conveyor.settings import Settings
-    from worker.celery_app import make_celery
 
     conf = make_celery(Settings(redis_url="redis://127.0.0.1:6379/0", visibility_timeout=321)).conf
     assert conf.broker_transport_options["visibility_timeout"] == 321

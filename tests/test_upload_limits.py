@@ -1,16 +1,19 @@
-"""An upload's lines are counted and checked as its chunks stream by, wherever chunks split."""
+"""An upload's requests (non-blank lines, counted as validation counts them) and bytes are
+checked as its chunks stream by, wherever chunks split."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
 
-from api.errors import APIError
-from api.storage import LineCounter, UploadLimits
+from conveyor.batch_format.errors import FileLimitError
+from conveyor.batch_format.lines import FileLimits, LineCounter, iter_lines
 
-LIMITS = UploadLimits(max_bytes=1000, max_lines=4, max_line_bytes=10)
+LIMITS = FileLimits(max_bytes=1000, max_lines=4, max_line_bytes=10)
 
 
-def count(chunks: list[bytes], limits: UploadLimits = LIMITS) -> tuple[int, int]:
+def count(chunks: list[bytes], limits: FileLimits = LIMITS) -> tuple[int, int]:
     counter = LineCounter(limits)
     for chunk in chunks:
         counter.feed(chunk)
@@ -18,10 +21,9 @@ def count(chunks: list[bytes], limits: UploadLimits = LIMITS) -> tuple[int, int]
     return counter.size, counter.lines
 
 
-def refused(chunks: list[bytes], limits: UploadLimits = LIMITS) -> APIError:
-    with pytest.raises(APIError) as caught:
+def refused(chunks: list[bytes], limits: FileLimits = LIMITS) -> FileLimitError:
+    with pytest.raises(FileLimitError) as caught:
         count(chunks, limits)
-    assert caught.value.status == 413
     return caught.value
 
 
@@ -29,27 +31,30 @@ def every_split(data: bytes) -> list[list[bytes]]:
     return [[data[:i], data[i:j], data[j:]] for i in range(len(data)) for j in range(i, len(data))]
 
 
-def test_lines_are_counted_across_chunk_boundaries():
-    data = b"0123456789\nab\n\nlast line"  # the last line has no newline
+def test_requests_are_counted_across_chunk_boundaries_as_validation_counts_them():
+    data = b"0123456789\nab\n \n\nlast line"  # two blank lines; the last has no newline
+    validated = len(list(iter_lines(io.BytesIO(data), LIMITS.max_line_bytes)))
+    assert validated == 3
     for chunks in every_split(data):
-        assert count(chunks) == (len(data), 4), chunks
+        assert count(chunks) == (len(data), validated), chunks
     assert count([b"a\nb\n"]) == (4, 2)
     assert count([]) == (0, 0)
 
 
 def test_a_line_over_the_limit_is_refused_naming_it():
-    data = b"short\n0123456789X\nok\n"  # line 2 has 11 bytes
+    data = b"\nshort\n0123456789X\nok\n"  # line 3 has 11 bytes (line 1 is blank)
     for chunks in every_split(data):
         err = refused(chunks)
-        assert err.code == "line_too_large" and "line 2 " in err.message, err.message
-        assert "CONVEYOR_MAX_LINE_BYTES" in err.message
+        assert err.code == "line_too_large" and "line 3 " in str(err), str(err)
+        assert "CONVEYOR_MAX_LINE_BYTES" in str(err)
     # a line exactly at the limit is fine, newline not counted
     assert count([b"0123456789\n0123456789"]) == (21, 2)
 
 
-def test_too_many_lines_and_too_many_bytes():
+def test_too_many_requests_and_too_many_bytes():
     err = refused([b"a\nb\nc\nd\ne\n"])
-    assert err.code == "too_many_lines" and "at most 4 lines" in err.message
+    assert err.code == "too_many_lines" and "at most 4 lines" in str(err)
     assert count([b"a\nb\nc\nd"]) == (7, 4)
-    err = refused([b"a\n" * 300, b"b\n" * 300], UploadLimits(1000, 10_000, 10))
-    assert err.code == "file_too_large" and "1000 bytes" in err.message
+    assert count([b"a\n\nb\n\nc\n\nd\n\n"]) == (12, 4)  # blank lines are no requests
+    err = refused([b"a\n" * 300, b"b\n" * 300], FileLimits(1000, 10_000, 10))
+    assert err.code == "file_too_large" and "1000 bytes" in str(err)

@@ -19,18 +19,39 @@ from typing import Any
 
 from sqlalchemy import delete
 
-from conveyor import openai_batch as ob
+from conveyor.batch_format.errors import INTERNAL_ERROR, BatchRequestError, classify_engine_error
+from conveyor.batch_format.request_line import (
+    ParsedRequest,
+    apply_max_tokens_cap,
+    parse_request_line,
+    peek_custom_id,
+)
+from conveyor.batch_format.result_lines import (
+    build_error_line,
+    build_output_line,
+    error_line_from_exception,
+)
+from conveyor.batch_format.token_text import TokenDecoder
 from conveyor.batch_runner import prepare_request
+from conveyor.dispatch.celery_app import make_celery
+from conveyor.dispatch.queues import queue_for, worker_queue
+from conveyor.dispatch.reconciler import ReconcilerLoop, reconcile
 from conveyor.logs import bind, log_context
 from conveyor.settings import Settings
-from ledger import transitions as tr
 from ledger.db import Ledger
 from ledger.models import WorkerRow
-from worker.celery_app import make_celery, queue_for, worker_queue
+from ledger.results import result_row
+from ledger.shard_lifecycle import (
+    ClaimedShard,
+    claim_shard,
+    close_shards,
+    give_back_attempt,
+    shard_heartbeat,
+)
+from ledger.states import BatchStatus
 from worker.engine_service import EngineJob, EngineService
 from worker.metrics import WorkerMetrics
-from worker.reconciler import ReconcilerLoop, reconcile
-from worker.writer import ResultWriter, ShardTally, WriteItem
+from worker.writer import PendingResults, ResultWriter, WriteItem
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +88,14 @@ class WorkerRuntime:
         self.shard_prefixes: Counter[str] = Counter()  # prefix key -> shards run here
         # no ping per checkout: every ledger call here retries or is re-run by the reconciler
         self.ledger = Ledger(settings.db_url, pre_ping=False)
-        self.app = make_celery(settings)
+        self.app = make_celery(settings, tasks=["worker.tasks"])
         self.service = EngineService(engine, on_failure=self._engine_failed)
         self.metrics = WorkerMetrics(engine, self.model_names[0])
         self.writer = ResultWriter(
             self.ledger, settings.heartbeat_timeout, on_lag=self.metrics.writer_lag.observe
         )
         self.reconciler = ReconcilerLoop(self.ledger, self.app, settings)
-        self.decoder = ob.TokenDecoder(getattr(engine, "tokenizer", None))
+        self.decoder = TokenDecoder(getattr(engine, "tokenizer", None))
         self.stopped = threading.Event()
         # set by a SIGTERM's deadline: running shards abort what is left and go back to queued
         self.handing_back = threading.Event()
@@ -179,78 +200,93 @@ class WorkerRuntime:
     def _run_shard(self, shard_id: int) -> str:
         if self.handing_back.is_set() or self.engine_failed.is_set():
             return "handed back"  # delivered during shutdown: leave it to another worker
+        claim = self._claim(shard_id)
+        if claim is None:
+            return "skipped"
+        if claim.quarantined:
+            return "quarantined"
+        bind(batch_id=claim.batch_id)
+        log.info("shard %s: %d requests to run", shard_id, len(claim.requests))
+        self.shard_prefixes[claim.prefix_key] += 1
+        pending = PendingResults(shard_id, claim.batch_id, len(claim.requests))
+        jobs = [self._job(claim, pending, *request) for request in claim.requests]
+        jobs = [job for job in jobs if job is not None]
+        self.service.submit(jobs)
+        if not claim.requests:  # all done on an earlier run: the writer has nothing to close
+            self._finish_shard(shard_id, claim.batch_id, cleanly=True)
+            return "done"
+        if self._wait_for_results(shard_id, pending):
+            return "done"  # the writer closed the shard with its last result
+        pending.take_over()
+        self.service.abort([job.request_id for job in jobs])
+        return self._stop_early(shard_id, claim.batch_id)
+
+    def _claim(self, shard_id: int) -> ClaimedShard | None:
         settings = self.settings
         with self.ledger.session() as session:
-            claim = tr.claim_shard(
+            claim = claim_shard(
                 session,
                 shard_id,
                 self.name,
                 settings.max_shard_attempts,
                 settings.heartbeat_timeout,
             )
-        if claim is None:
-            return "skipped"
-        if claim.quarantined:
+        if claim is not None and claim.quarantined:
             log.warning(
                 "shard %s failed %d times: quarantined, its unfinished requests get error lines",
                 shard_id,
                 settings.max_shard_attempts,
             )
-            return "quarantined"
-        batch_id, model, requests = claim.batch_id, claim.model, claim.requests
-        bind(batch_id=batch_id)
-        log.info("shard %s: %d requests to run", shard_id, len(requests))
-        self.shard_prefixes[claim.prefix_key] += 1
-        tally = ShardTally(shard_id, batch_id, len(requests))
-        jobs = []
-        for request_id, line, raw in requests:
-            try:
-                parsed = ob.parse_request_line(raw, line=line)
-                ob.apply_max_tokens_cap(parsed, self.settings.max_tokens_cap)
-                prompt, params = prepare_request(self.engine, parsed, self.sampling_params_cls)
-            except ob.BatchRequestError as err:
-                self._write(
-                    batch_id, request_id, ob.error_line_from_exception(err), tally, number=line
-                )
-                continue
-            except Exception as err:  # a fault of ours with this line: it fails alone
-                log.exception("shard %s: request %s could not be prepared", shard_id, request_id)
-                custom_id = ob.peek_custom_id(raw)
-                message = f"could not prepare this request: {type(err).__name__}: {err}"
-                error = ob.build_error_line(
-                    custom_id, ob.INTERNAL_ERROR, message, line=line, status_code=500
-                )
-                self._write(batch_id, request_id, error, tally, number=line)
-                continue
-            job = EngineJob(
-                f"{batch_id}:{request_id}",
-                prompt,
-                params,
-                on_done=partial(self._on_done, batch_id, request_id, parsed, model, tally),
-                on_error=partial(self._on_refused, batch_id, request_id, parsed, tally),
-            )
-            jobs.append(job)
-        self.service.submit(jobs)
-        engine_ids = [job.request_id for job in jobs]
+        return claim
 
-        if not requests:  # all done on an earlier run: the writer has nothing to close
-            self._finish_shard(shard_id, batch_id, cleanly=True)
-            return "done"
-        while not tally.wait(self.settings.heartbeat_interval):
+    def _job(
+        self, claim: ClaimedShard, pending: PendingResults, request_id: int, line: int, raw: str
+    ) -> EngineJob | None:
+        """The engine job of one request of the shard, or None when the request fails before
+        it reaches the engine (its error line is written)."""
+        batch_id = claim.batch_id
+        try:
+            parsed = parse_request_line(raw, line=line)
+            apply_max_tokens_cap(parsed, self.settings.max_tokens_cap)
+            prompt, params = prepare_request(self.engine, parsed, self.sampling_params_cls)
+        except BatchRequestError as err:
+            self._write(batch_id, request_id, error_line_from_exception(err), pending, line)
+            return None
+        except Exception as err:  # a fault of ours with this line: it fails alone
+            log.exception("shard %s: request %s could not be prepared", claim.shard_id, request_id)
+            message = f"could not prepare this request: {type(err).__name__}: {err}"
+            error = build_error_line(
+                peek_custom_id(raw), INTERNAL_ERROR, message, line=line, status_code=500
+            )
+            self._write(batch_id, request_id, error, pending, line)
+            return None
+        return EngineJob(
+            f"{batch_id}:{request_id}",
+            prompt,
+            params,
+            on_done=partial(self._on_done, batch_id, request_id, parsed, claim.model, pending),
+            on_error=partial(self._on_refused, batch_id, request_id, parsed, pending),
+        )
+
+    def _wait_for_results(self, shard_id: int, pending: PendingResults) -> bool:
+        """Heartbeat the shard until all its results are committed (True), or until it must
+        stop early (False): shutdown, the engine failed, or its batch no longer runs."""
+        while not pending.wait(self.settings.heartbeat_interval):
             if self.handing_back.is_set() or self.engine_failed.is_set():
-                break
+                return False
             try:
                 with self.ledger.session() as session:
-                    status = tr.shard_heartbeat(session, shard_id)
+                    status = shard_heartbeat(session, shard_id)
             except Exception:
                 log.warning("shard %s heartbeat failed; retrying", shard_id)
                 continue
-            if status != "in_progress":  # cancelled or expired: stop spending the engine on it
-                break
-        else:
-            return "done"  # the writer closed the shard with its last result
-        tally.take_over()
-        self.service.abort(engine_ids)
+            if status != BatchStatus.IN_PROGRESS:  # cancelled or expired: stop spending on it
+                return False
+        return True
+
+    def _stop_early(self, shard_id: int, batch_id: str) -> str:
+        """Close a shard stopped before its end: what finished stays, the rest is queued
+        again; the run counts as a failure only when the engine failed."""
         if self.engine_failed.is_set():
             log.warning("shard %s: the engine failed; handing back what is unfinished", shard_id)
             # what the engine finished before is committed first, so no run repeats it
@@ -259,7 +295,6 @@ class WorkerRuntime:
             return "handed back: the engine failed"
         if self.handing_back.is_set():
             log.info("shard %s: handing back its unfinished requests", shard_id)
-        # what finished stays; the rest is queued again, and this run counts as no failure
         self._finish_shard(shard_id, batch_id, cleanly=True)
         return "handed back" if self.handing_back.is_set() else "stopped"
 
@@ -268,11 +303,9 @@ class WorkerRuntime:
         while True:
             try:
                 with self.ledger.session() as session:
-                    tr.close_shards(
-                        session, [(shard_id, batch_id)], self.settings.heartbeat_timeout
-                    )
+                    close_shards(session, [(shard_id, batch_id)], self.settings.heartbeat_timeout)
                     if cleanly:
-                        tr.give_back_attempt(session, shard_id)
+                        give_back_attempt(session, shard_id)
                 return
             except Exception:
                 log.warning("could not close shard %s; retrying in %.1fs", shard_id, delay)
@@ -280,26 +313,26 @@ class WorkerRuntime:
                 delay = min(delay * 2, 5.0)
 
     # ---- results (called from the engine thread) -------------------------------------------
-    def _on_done(self, batch_id, request_id, parsed, model, tally, output) -> None:
+    def _on_done(self, batch_id, request_id, parsed, model, pending, output) -> None:
         if (error := getattr(output, "error", None)) is not None:
             line = self._internal_error(parsed, f"the engine failed on this request: {error}")
-            self._write(batch_id, request_id, line, tally, number=parsed.line)
+            self._write(batch_id, request_id, line, pending, parsed.line)
             return
         self.metrics.observe_request(output)
         try:
-            line = ob.build_output_line(parsed, output, model, self.decoder)
+            line = build_output_line(parsed, output, model, self.decoder)
         except Exception as err:
             line = self._internal_error(
                 parsed, f"could not format the result: {type(err).__name__}: {err}"
             )
-            self._write(batch_id, request_id, line, tally, number=parsed.line)
+            self._write(batch_id, request_id, line, pending, parsed.line)
             return
         completion = sum(len(c.token_ids) for c in output.outputs)
         self._write(
             batch_id,
             request_id,
             line,
-            tally,
+            pending,
             number=parsed.line,
             ok=True,
             prompt_tokens=len(output.prompt_token_ids or []),
@@ -307,11 +340,11 @@ class WorkerRuntime:
             cached_tokens=int(getattr(output, "num_cached_tokens", 0) or 0),
         )
 
-    def _on_refused(self, batch_id, request_id, parsed, tally, err: Exception) -> None:
+    def _on_refused(self, batch_id, request_id, parsed, pending, err: Exception) -> None:
         if isinstance(err, ValueError):  # the engine's word that the request is bad
-            line = ob.build_error_line(
+            line = build_error_line(
                 parsed.custom_id,
-                ob.classify_engine_error(str(err)),
+                classify_engine_error(str(err)),
                 str(err),
                 line=parsed.line,
                 param="body.messages" if parsed.is_chat else "body.prompt",
@@ -320,26 +353,14 @@ class WorkerRuntime:
             line = self._internal_error(
                 parsed, f"the engine failed on this request: {type(err).__name__}: {err}"
             )
-        self._write(batch_id, request_id, line, tally, number=parsed.line)
+        self._write(batch_id, request_id, line, pending, parsed.line)
 
     @staticmethod
-    def _internal_error(parsed: ob.ParsedRequest, message: str) -> dict[str, Any]:
-        return ob.build_error_line(
-            parsed.custom_id, ob.INTERNAL_ERROR, message, line=parsed.line, status_code=500
+    def _internal_error(parsed: ParsedRequest, message: str) -> dict[str, Any]:
+        return build_error_line(
+            parsed.custom_id, INTERNAL_ERROR, message, line=parsed.line, status_code=500
         )
 
-    def _write(self, batch_id, request_id, line, tally, number=None, ok=False, **tokens) -> None:
-        row = dict(
-            request_id=request_id,
-            batch_id=batch_id,
-            line_id=line["id"],
-            ok=ok,
-            output=ob.dump_line(line),
-            worker=self.name,
-            created_at=time.time(),
-            prompt_tokens=0,
-            completion_tokens=0,
-            cached_tokens=0,
-        )
-        row.update(tokens)
-        self.writer.put(WriteItem(row, tally, line.get("custom_id"), number))
+    def _write(self, batch_id, request_id, line, pending, number=None, ok=False, **tokens) -> None:
+        row = result_row(request_id, batch_id, line, ok=ok, worker=self.name, **tokens)
+        self.writer.put(WriteItem(row, pending, line.get("custom_id"), number))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from worker.celery_app import RUN_SHARD
+from conveyor.dispatch.celery_app import RUN_SHARD
 
 
 @shared_task(name=RUN_SHARD, acks_late=True, ignore_result=True)

@@ -1,11 +1,11 @@
 """The result writer: one thread that commits results to the ledger in batches.
 
 The engine never waits on the database. Results queue up here and are inserted many per
-transaction; a shard's tally counts down only after its rows are committed, which is what lets
-a shard task acknowledge its message safely. The transaction that commits a shard's last
-result also closes the shard (and completes its batch if it was the last one), so a shard
-costs no transaction of its own at the end. When the database is unreachable the writer keeps
-the pending rows and retries with backoff, so a database restart loses nothing.
+transaction; a shard's pending results count down only after their rows are committed, which
+is what lets a shard task acknowledge its message safely. The transaction that commits a
+shard's last result also closes the shard (and completes its batch if it was the last one), so
+a shard costs no transaction of its own at the end. When the database is unreachable the
+writer keeps the pending rows and retries with backoff, so a database restart loses nothing.
 
 Any other error is taken to be about the rows, and one row must not hold up the others: the
 commit is split until the row that cannot be stored is alone, and that row is replaced by its
@@ -28,15 +28,17 @@ import psycopg
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from conveyor import openai_batch as ob
-from ledger import transitions as tr
+from conveyor.batch_format.errors import INTERNAL_ERROR
+from conveyor.batch_format.result_lines import build_error_line
+from conveyor.batch_format.text import unstorable
 from ledger.db import Ledger, is_transient
-from ledger.ids import new_line_id
+from ledger.results import record_results, result_row
+from ledger.shard_lifecycle import close_shards
 
 log = logging.getLogger(__name__)
 
 
-class ShardTally:
+class PendingResults:
     """A running shard's results not yet committed.
 
     The writer closes the shard in the transaction that commits its last result, unless the
@@ -68,7 +70,7 @@ class ShardTally:
 @dataclass
 class WriteItem:
     row: dict[str, Any]  # a `results` row
-    shard: ShardTally
+    shard: PendingResults
     custom_id: str | None = None  # the request's, for the error line that replaces an
     line: int | None = None  # unstorable row
 
@@ -167,16 +169,14 @@ class ResultWriter(threading.Thread):
         if self.on_lag is not None:
             for item in batch:
                 self.on_lag(now - item.row["created_at"])
-        for tally, n in per_shard.items():
-            tally.committed(n)
+        for pending, n in per_shard.items():
+            pending.committed(n)
 
     def _record(self, session: Session, items: list[WriteItem]) -> None:
-        tr.record_results(session, [item.row for item in items], self.started_batches)
+        record_results(session, [item.row for item in items], self.started_batches)
 
-    def _close(self, session: Session, tallies: list[ShardTally]) -> None:
-        tr.close_shards(
-            session, [(t.shard_id, t.batch_id) for t in tallies], self.heartbeat_timeout
-        )
+    def _close(self, session: Session, shards: list[PendingResults]) -> None:
+        close_shards(session, [(t.shard_id, t.batch_id) for t in shards], self.heartbeat_timeout)
 
     def _until_reached(self, work: Callable[[Session], None], what: str = "results") -> None:
         """Run `work` in a transaction, again and again with backoff while the database is
@@ -230,7 +230,7 @@ class ResultWriter(threading.Thread):
         """Whether `item` is settled: its error line stored, or its request gone."""
         row = error_row(item, err)
         try:
-            self._until_reached(lambda session: tr.record_results(session, [row]), "an error line")
+            self._until_reached(lambda session: record_results(session, [row]), "an error line")
         except (IntegrityError, psycopg.IntegrityError):  # its request was deleted: no result
             log.warning("request %s is gone; its result is dropped", row["request_id"])
             return True
@@ -252,8 +252,8 @@ class ResultWriter(threading.Thread):
 
 
 def error_row(item: WriteItem, err: Exception) -> dict[str, Any]:
-    """The `results` row that stands for `item`'s when that cannot be stored: an error line in
-    ASCII JSON, and in every other column a value the ledger made or can hold."""
+    """The `results` row that stands for `item`'s when that cannot be stored: an error line,
+    and in every other column a value the ledger made or can hold."""
     row = item.row
     custom_id = item.custom_id
     if custom_id is None:  # the row's own line says it
@@ -261,39 +261,21 @@ def error_row(item: WriteItem, err: Exception) -> dict[str, Any]:
             custom_id = json.loads(row["output"]).get("custom_id")
         except Exception:
             custom_id = None
-    line = ob.build_error_line(
+    line = build_error_line(
         custom_id,
-        ob.INTERNAL_ERROR,
+        INTERNAL_ERROR,
         f"the result could not be stored: {type(err).__name__}: {_one_line(err)}",
         line=item.line,
         status_code=500,
     )
-    line["id"] = new_line_id()
     worker = row.get("worker")
-    return dict(
-        request_id=row["request_id"],
-        batch_id=row["batch_id"],
-        line_id=line["id"],
-        ok=False,
-        output=json.dumps(line),  # ASCII: no text the ledger cannot hold
-        worker=worker if _storable(worker) else None,
+    return result_row(
+        row["request_id"],
+        row["batch_id"],
+        line,
+        worker=worker if worker is None or unstorable(worker) is None else None,
         created_at=row["created_at"],
-        prompt_tokens=0,
-        completion_tokens=0,
-        cached_tokens=0,
     )
-
-
-def _storable(text: str | None) -> bool:
-    if text is None:
-        return True
-    if "\x00" in text:
-        return False
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _one_line(err: BaseException, limit: int = 300) -> str:

@@ -7,17 +7,18 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
-from sqlalchemy import select
 
 from api import schemas
+from api.batch_create import create_batch
+from api.batch_view import batch_list, batch_object, read_batch
 from api.deps import ProjectDep, SessionDep, StateDep, read_in_session
 from api.errors import APIError
 from api.guard import KeyedRoute
+from api.lookups import get_batch
 from api.params import IdempotencyKey, IdText
-from api.routes.files import result_lines
-from api.services import batch_list, batch_object, create_batch, get_batch, read_batch
-from ledger import transitions as tr
-from ledger.models import ResultRow
+from api.results import result_lines, seq_after
+from conveyor.batch_format.errors import BATCH_NOT_CANCELLABLE
+from ledger import batch_lifecycle
 
 router = APIRouter(
     prefix="/v1/batches", tags=["batches"], responses=schemas.V1_ERRORS, route_class=KeyedRoute
@@ -61,13 +62,10 @@ def cancel(
     batch_id: str, state: StateDep, session: SessionDep, project: ProjectDep
 ) -> schemas.Batch:
     batch = get_batch(session, batch_id, project)
-    if batch.status in ("failed", "completed", "expired"):
-        raise APIError(
-            409,
-            f"batch {batch_id!r} is {batch.status} and cannot be cancelled",
-            code="batch_not_cancellable",
-        )
-    tr.cancel(session, batch_id, state.settings.heartbeat_timeout)
+    try:
+        batch_lifecycle.cancel(session, batch_id, state.settings.heartbeat_timeout)
+    except batch_lifecycle.NotCancellable as err:
+        raise APIError(409, str(err), code=BATCH_NOT_CANCELLABLE) from None
     session.flush()
     return batch_object(batch)
 
@@ -88,14 +86,8 @@ def results(
     Pass the `id` of the last line you read as `after` to get only newer ones.
     """
     get_batch(session, batch_id, project)
-    after_seq = 0
-    if after:
-        seq = session.execute(
-            select(ResultRow.seq).where(ResultRow.batch_id == batch_id, ResultRow.line_id == after)
-        ).scalar_one_or_none()
-        if seq is None:
-            raise APIError(400, f"no result line {after!r} in batch {batch_id!r}", param="after")
-        after_seq = seq
+    after_seq = seq_after(session, batch_id, after)
     return StreamingResponse(
-        result_lines(state, batch_id, None, after_seq, limit), media_type="application/jsonl"
+        result_lines(state.ledger, batch_id, None, after_seq, limit),
+        media_type="application/jsonl",
     )

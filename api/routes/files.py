@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
@@ -16,13 +15,16 @@ from api import schemas
 from api.deps import AppState, ProjectDep, SessionDep, StateDep, read_in_session
 from api.errors import APIError
 from api.guard import KeyedRoute
+from api.lookups import get_file
+from api.pagination import keyset_page
 from api.params import IdText, PurposeText
-from api.services import get_file
-from api.storage import UploadLimits
+from api.results import result_lines
 from api.uploads import UPLOAD_FORM, UploadRoute, receive_upload
+from conveyor.batch_format.errors import NOT_FOUND
+from conveyor.batch_format.lines import FileLimits
 from ledger.erasure import erase_input_copies, erase_results
 from ledger.ids import new_file_id
-from ledger.models import FileRow, ResultRow
+from ledger.models import FileRow
 
 router = APIRouter(
     prefix="/v1/files", tags=["files"], responses=schemas.V1_ERRORS, route_class=KeyedRoute
@@ -55,7 +57,7 @@ def file_object(file: FileRow) -> schemas.FileObject:
 async def upload_file(request: Request, state: StateDep, project: ProjectDep) -> schemas.FileObject:
     """A multipart/form-data body with a `file` (JSONL) and its `purpose` (`batch`)."""
     file_id = new_file_id()
-    limits = UploadLimits(
+    limits = FileLimits(
         state.settings.max_upload_bytes,
         state.settings.max_batch_lines,
         state.settings.max_line_bytes,
@@ -99,30 +101,8 @@ def file_list(
     query = select(FileRow).where(FileRow.deleted.is_(False), FileRow.project == project)
     if purpose:
         query = query.where(FileRow.purpose == purpose)
-    desc = order == "desc"
-    if after:
-        cursor = session.get(FileRow, after)
-        if cursor is not None and cursor.project == project:
-            key = (cursor.created_at, cursor.id)
-            cols = (FileRow.created_at, FileRow.id)
-            query = query.where(_tuple_lt(cols, key) if desc else _tuple_gt(cols, key))
-    sort = (
-        (FileRow.created_at.desc(), FileRow.id.desc()) if desc else (FileRow.created_at, FileRow.id)
-    )
-    rows = list(session.execute(query.order_by(*sort).limit(limit + 1)).scalars())
-    return schemas.list_page(schemas.FileList, rows, limit, file_object)
-
-
-def _tuple_lt(cols, key):
-    from sqlalchemy import tuple_
-
-    return tuple_(*cols) < tuple_(*key)
-
-
-def _tuple_gt(cols, key):
-    from sqlalchemy import tuple_
-
-    return tuple_(*cols) > tuple_(*key)
+    page = keyset_page(session, query, FileRow, project, after, limit, order == "desc")
+    return schemas.list_page(schemas.FileList, page.scalars().all(), limit, file_object)
 
 
 @router.get("/{file_id}", response_model=schemas.FileObject)
@@ -136,36 +116,13 @@ def file_content(file_id: str, state: StateDep, session: SessionDep, project: Pr
     if file.batch_id is None:
         path = state.files.path(file.id)
         if not path.exists():
-            raise APIError(404, f"the content of file {file_id!r} is gone", code="not_found")
+            raise APIError(404, f"the content of file {file_id!r} is gone", code=NOT_FOUND)
         return FileResponse(path, media_type="application/jsonl", filename=file.filename)
     return StreamingResponse(
-        result_lines(state, file.batch_id, ok=file.purpose == "batch_output"),
+        result_lines(state.ledger, file.batch_id, ok=file.purpose == "batch_output"),
         media_type="application/jsonl",
         headers={"content-disposition": f'attachment; filename="{file.filename}"'},
     )
-
-
-def result_lines(
-    state: AppState, batch_id: str, ok: bool | None, after_seq: int = 0, limit: int | None = None
-) -> Iterator[bytes]:
-    """Result lines of a batch in commit order, read page by page (never all at once)."""
-    sent = 0
-    while limit is None or sent < limit:
-        page = PAGE if limit is None else min(PAGE, limit - sent)
-        with state.ledger.session() as session:
-            query = select(ResultRow.seq, ResultRow.output).where(
-                ResultRow.batch_id == batch_id, ResultRow.seq > after_seq
-            )
-            if ok is not None:
-                query = query.where(ResultRow.ok.is_(ok))
-            rows = session.execute(query.order_by(ResultRow.seq).limit(page)).all()
-        if not rows:
-            return
-        after_seq = rows[-1][0]
-        sent += len(rows)
-        yield "".join(output + "\n" for _, output in rows).encode()
-        if len(rows) < page:
-            return
 
 
 @router.delete("/{file_id}", response_model=schemas.FileDeleted)

@@ -12,9 +12,9 @@ from sqlalchemy import select, text
 from api import schemas
 from api.deps import SessionDep, StateDep, get_project
 from api.guard import KeyedRoute
+from conveyor.dispatch.broker import ping
 from ledger.models import WorkerRow
 from ledger.serving import unserved_models
-from worker.broker import ping
 
 router = APIRouter(tags=["system"])
 models = APIRouter(tags=["system"], route_class=KeyedRoute)  # wants a key, as every /v1 route

@@ -19,13 +19,16 @@ from dataclasses import dataclass
 import redis
 from celery import Celery
 
+from conveyor.dispatch.broker import live_task_ids
+from conveyor.dispatch.celery_app import send_shards
+from conveyor.dispatch.queues import is_redis_url, queue_for
+from conveyor.dispatch.routing import Router, live_workers
 from conveyor.settings import Settings
-from ledger import transitions as tr
+from ledger.batch_lifecycle import advance, batches_with_status
 from ledger.db import Ledger
 from ledger.serving import note_serving
-from worker.broker import live_task_ids
-from worker.celery_app import queue_for, send_shards
-from worker.routing import Router, live_workers
+from ledger.shard_lifecycle import mark_enqueued, shards_to_enqueue
+from ledger.states import BatchStatus
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +49,10 @@ def reconcile(ledger: Ledger, app: Celery, settings: Settings) -> ReconcileRepor
 def _reconcile(ledger: Ledger, app: Celery, settings: Settings) -> ReconcileReport:
     report = ReconcileReport()
     with ledger.session() as session:
-        open_batches = tr.batches_with_status(session, "in_progress", "cancelling")
+        open_batches = batches_with_status(session, BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING)
     for batch_id in open_batches:
         with ledger.session() as session:
-            if tr.maybe_finalize(session, batch_id, settings.heartbeat_timeout):
+            if advance(session, batch_id, settings.heartbeat_timeout):
                 report.finalized += 1
     with ledger.session() as session:
         workers = live_workers(session, settings.heartbeat_timeout)
@@ -63,9 +66,9 @@ def _reconcile(ledger: Ledger, app: Celery, settings: Settings) -> ReconcileRepo
 
     sends = []
     with ledger.session() as session:
-        for batch_id in tr.batches_with_status(session, "in_progress"):
-            lost = tr.shards_to_enqueue(session, batch_id, live, grace, settings.heartbeat_timeout)
-            sends += tr.mark_enqueued(session, lost)
+        for batch_id in batches_with_status(session, BatchStatus.IN_PROGRESS):
+            lost = shards_to_enqueue(session, batch_id, live, grace, settings.heartbeat_timeout)
+            sends += mark_enqueued(session, lost)
         sends = Router(workers, settings.broker_url, settings.affinity_backlog).route(sends)
     if sends:
         log.info("re-sending %d shard(s) that no broker message carries", len(sends))
@@ -77,7 +80,7 @@ def _reconcile(ledger: Ledger, app: Celery, settings: Settings) -> ReconcileRepo
 @contextlib.contextmanager
 def _lock(settings: Settings):
     """One reconciler at a time across processes (a Redis lock; SQLite serializes anyway)."""
-    if not settings.broker_url.startswith(("redis://", "rediss://")):
+    if not is_redis_url(settings.broker_url):
         yield True
         return
     client = redis.Redis.from_url(settings.broker_url)

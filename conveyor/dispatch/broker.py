@@ -8,7 +8,7 @@ import time
 
 import redis
 
-from worker.celery_app import QUEUE_PREFIX, queue_owner
+from conveyor.dispatch.queues import QUEUE_PREFIX, is_redis_url, queue_owner
 
 # kombu's Redis transport keeps delivered, unacknowledged messages in this hash, and the time
 # of each delivery in this sorted set (both keyed by delivery tag)
@@ -39,7 +39,7 @@ def live_task_ids(
     takes at once (prefetch is off), so an older one whose shard never started was taken by a
     worker that died.
     """
-    if not broker_url.startswith(("redis://", "rediss://", "unix://")):
+    if not is_redis_url(broker_url):
         return None
     client = redis.Redis.from_url(broker_url)
     try:
@@ -67,7 +67,7 @@ def live_task_ids(
 
 def ping(broker_url: str) -> None:
     """Raise if the broker cannot be reached."""
-    if broker_url.startswith(("redis://", "rediss://", "unix://")):
+    if is_redis_url(broker_url):
         client = redis.Redis.from_url(broker_url, socket_connect_timeout=2, socket_timeout=2)
         try:
             client.ping()

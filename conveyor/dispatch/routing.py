@@ -18,9 +18,9 @@ import redis
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from conveyor.dispatch.queues import is_redis_url, worker_queue
 from ledger.models import WorkerRow
-from ledger.transitions import Send
-from worker.celery_app import worker_queue
+from ledger.shard_lifecycle import ShardTask
 
 DEFAULT_BACKLOG = 16  # shards waiting in one worker's own queue before others get the overflow
 
@@ -53,7 +53,7 @@ class Router:
     def _waiting(self, queue: str) -> int:
         if queue not in self._measured:
             self._measured.add(queue)
-            if self.broker_url.startswith(("redis://", "rediss://", "unix://")):
+            if is_redis_url(self.broker_url):
                 client = redis.Redis.from_url(self.broker_url)
                 try:
                     self.queued[queue] += int(client.llen(queue))
@@ -61,7 +61,7 @@ class Router:
                     client.close()
         return self.queued[queue]
 
-    def route(self, sends: list[Send]) -> list[Send]:
+    def route(self, sends: list[ShardTask]) -> list[ShardTask]:
         for send in sends:
             candidates = self.workers.get(send.queue)
             if not candidates:
@@ -71,4 +71,3 @@ class Router:
                 self.queued[target] += 1
                 send.queue = target
         return sends
-

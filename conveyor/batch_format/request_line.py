@@ -1,0 +1,329 @@
+"""One line of a batch input file checked into a `ParsedRequest` (the prompt or chat messages,
+and keyword arguments for the engine's `SamplingParams`), or a `BatchRequestError` whose
+message names the line and the offending field; and a file's lines parsed in order."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from pydantic import ValidationError
+
+from conveyor.batch_format.bodies import (
+    CHAT_URL,
+    SUPPORTED_URLS,
+    ChatCompletionBody,
+    CompletionBody,
+)
+from conveyor.batch_format.errors import (
+    DUPLICATE_CUSTOM_ID,
+    INVALID_JSON,
+    INVALID_METHOD,
+    INVALID_REQUEST,
+    INVALID_UNICODE,
+    INVALID_URL,
+    MAX_TOKENS_TOO_LARGE,
+    MODEL_NOT_FOUND,
+    BatchRequestError,
+    describe,
+)
+from conveyor.batch_format.text import MAX_JSON_DEPTH, check_body_text
+
+
+@dataclass
+class ParsedRequest:
+    """One valid batch line, ready to hand to the engine."""
+
+    custom_id: str
+    url: str
+    model: str
+    sampling: dict[str, Any]  # keyword arguments for `engine.SamplingParams`
+    prompt: str | list[int] | None = None  # completions
+    messages: list[dict[str, str]] | None = None  # chat
+    echo: bool = False  # completions: prepend the prompt (and its logprobs) to each choice
+    drop_generation: bool = False  # completions `max_tokens: 0`: report the prompt only
+    top_logprobs: int | None = None  # chat: alternatives per token when logprobs were asked
+    line: int | None = None
+
+    @property
+    def is_chat(self) -> bool:
+        return self.url == CHAT_URL
+
+
+def _loc_path(prefix: str, loc: Sequence[Any]) -> str:
+    path = prefix
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def _validation_message(err: ValidationError, prefix: str = "body") -> tuple[str, str]:
+    """A one-line message for the first few problems of `err`, and the first offending field."""
+    parts = []
+    first_param = ""
+    for item in err.errors(include_url=False)[:3]:
+        path = _loc_path(prefix, item.get("loc", ()))
+        first_param = first_param or path
+        kind = item.get("type", "")
+        if kind == "missing":
+            parts.append(f'"{path}" is required')
+            continue
+        msg = item.get("msg", "is invalid")
+        for lead, repl in (("Value error, ", ""), ("Input should", "should")):
+            if msg.startswith(lead):
+                msg = repl + msg[len(lead) :]
+                break
+        if "got " not in msg:
+            msg += f", got {describe(item.get('input'))}"
+        parts.append(f'"{path}" {msg}')
+    extra = err.error_count() - len(parts)
+    if extra > 0:
+        parts.append(f"and {extra} more problem{'s' if extra > 1 else ''}")
+    return "; ".join(parts), first_param
+
+
+@dataclass
+class _Line:
+    """Where an error is: the line's number and, once known, its custom_id."""
+
+    number: int | None
+    custom_id: str | None = None
+
+    def fail(self, message: str, code: str = INVALID_REQUEST, param: str | None = None) -> NoReturn:
+        raise BatchRequestError(
+            message, code=code, line=self.number, custom_id=self.custom_id, param=param
+        )
+
+
+def parse_request_object(
+    obj: Any,
+    *,
+    line: int | None = None,
+    served_model_names: Iterable[str] | None = None,
+    source_text: str | None = None,
+) -> ParsedRequest:
+    """Check one decoded batch line. Raises `BatchRequestError`.
+
+    `source_text`, the JSON text `obj` was decoded from, lets the body's walk for nesting and
+    lone surrogates be skipped when the text shows it cannot hold them.
+    """
+    where = _Line(line)
+    url, body = _envelope(obj, where)
+    parsed = _body(body, url, where, source_text)
+    if served_model_names is not None:
+        names = list(served_model_names)
+        if parsed.model not in names:
+            where.fail(
+                f'"body.model" {describe(parsed.model)} is not served here; '
+                f"use {' or '.join(describe(n) for n in names)}",
+                MODEL_NOT_FOUND,
+                "body.model",
+            )
+    assert where.custom_id is not None
+    if isinstance(parsed, ChatCompletionBody):
+        return _chat_request(parsed, url, where.custom_id, where)
+    return _completion_request(parsed, url, where.custom_id, where)
+
+
+def _envelope(obj: Any, where: _Line) -> tuple[str, dict[str, Any]]:
+    """The line's `url` and `body`, once its `custom_id`, `method`, `url` and `body` are
+    checked (`where` learns the custom_id)."""
+    if not isinstance(obj, dict):
+        where.fail(f"a batch line must be a JSON object, got {type(obj).__name__}", INVALID_JSON)
+    if "custom_id" not in obj:
+        where.fail('"custom_id" is required', param="custom_id")
+    if not isinstance(obj["custom_id"], str) or not obj["custom_id"]:
+        where.fail(
+            f'"custom_id" must be a non-empty string, got {describe(obj["custom_id"])}',
+            param="custom_id",
+        )
+    where.custom_id = obj["custom_id"]
+
+    method = obj.get("method")
+    if method is None:
+        where.fail('"method" is required (only "POST" is supported)', INVALID_METHOD, "method")
+    if method != "POST":
+        where.fail(f'"method" must be "POST", got {describe(method)}', INVALID_METHOD, "method")
+
+    url = obj.get("url")
+    if url is None:
+        where.fail(f'"url" is required (one of {", ".join(SUPPORTED_URLS)})', INVALID_URL, "url")
+    if url not in SUPPORTED_URLS:
+        where.fail(
+            f'"url" must be one of {", ".join(SUPPORTED_URLS)}, got {describe(url)}',
+            INVALID_URL,
+            "url",
+        )
+
+    body = obj.get("body")
+    if body is None:
+        where.fail('"body" is required', param="body")
+    if not isinstance(body, dict):
+        where.fail(f'"body" must be a JSON object, got {describe(body)}', param="body")
+    return url, body
+
+
+def _body(
+    body: dict[str, Any], url: str, where: _Line, source_text: str | None
+) -> ChatCompletionBody | CompletionBody:
+    """The body checked against its endpoint's model, and for what no body may hold."""
+    text = check_body_text(body, source_text)
+    if text.too_deep is not None:
+        path = text.too_deep
+        where.fail(f'"{path}" is nested deeper than {MAX_JSON_DEPTH} levels', param=path)
+    model_cls = ChatCompletionBody if url == CHAT_URL else CompletionBody
+    try:
+        parsed = model_cls.model_validate(body)
+    except ValidationError as err:
+        message, param = _validation_message(err)
+        where.fail(message, param=param)
+    if text.surrogate is not None:
+        path, at = text.surrogate
+        where.fail(
+            f'"{path}" is not valid Unicode: it holds a lone surrogate ({at}); a JSON '
+            "escape \\ud800-\\udbff must be followed by one of \\udc00-\\udfff",
+            INVALID_UNICODE,
+            path,
+        )
+    return parsed
+
+
+def _chat_request(
+    parsed: ChatCompletionBody, url: str, custom_id: str, where: _Line
+) -> ParsedRequest:
+    if parsed.top_logprobs is not None and not parsed.logprobs:
+        where.fail('"body.top_logprobs" needs "body.logprobs": true', param="body.top_logprobs")
+    return ParsedRequest(
+        custom_id=custom_id,
+        url=url,
+        model=parsed.model,
+        sampling=parsed.sampling_kwargs(),
+        messages=parsed.message_dicts(),
+        top_logprobs=(parsed.top_logprobs or 0) if parsed.logprobs else None,
+        line=where.number,
+    )
+
+
+def _completion_request(
+    parsed: CompletionBody, url: str, custom_id: str, where: _Line
+) -> ParsedRequest:
+    if isinstance(parsed.prompt, list) and not parsed.prompt:
+        where.fail('"body.prompt" must not be empty', param="body.prompt")
+    if parsed.max_tokens == 0 and not parsed.echo:
+        where.fail(
+            '"body.max_tokens" must be at least 1 (0 is allowed only with "echo": true)',
+            param="body.max_tokens",
+        )
+    return ParsedRequest(
+        custom_id=custom_id,
+        url=url,
+        model=parsed.model,
+        sampling=parsed.sampling_kwargs(),
+        prompt=parsed.prompt,
+        echo=bool(parsed.echo),
+        drop_generation=parsed.max_tokens == 0,
+        line=where.number,
+    )
+
+
+def parse_request_line(
+    text: str | bytes,
+    *,
+    line: int | None = None,
+    served_model_names: Iterable[str] | None = None,
+) -> ParsedRequest:
+    """Decode and check one line of a batch input file. Raises `BatchRequestError`."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise BatchRequestError(
+                f"not valid UTF-8 ({err.reason} at byte {err.start})", code=INVALID_JSON, line=line
+            ) from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise BatchRequestError(
+            f"not valid JSON ({err.msg} at column {err.colno})", code=INVALID_JSON, line=line
+        ) from None
+    except RecursionError:
+        raise BatchRequestError(
+            f"not valid JSON here: nested deeper than {MAX_JSON_DEPTH} levels",
+            code=INVALID_JSON,
+            line=line,
+        ) from None
+    return parse_request_object(
+        obj, line=line, served_model_names=served_model_names, source_text=text
+    )
+
+
+def peek_custom_id(text: str | bytes) -> str | None:
+    """The line's `custom_id` if it is a JSON object that has a string one, else None."""
+    try:
+        obj = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        return None
+    if isinstance(obj, dict) and isinstance(obj.get("custom_id"), str):
+        return obj["custom_id"]
+    return None
+
+
+def apply_max_tokens_cap(request: ParsedRequest, cap: int | None) -> ParsedRequest:
+    """Hold a request to the service's `max_tokens` cap: asking for more is an error (422);
+    asking for nothing means the cap."""
+    if not cap:
+        return request
+    asked = request.sampling.get("max_tokens")
+    if asked is None:
+        request.sampling["max_tokens"] = cap
+    elif asked > cap:
+        raise BatchRequestError(
+            f"max_tokens is {asked}, above this service's limit of {cap}",
+            code=MAX_TOKENS_TOO_LARGE,
+            line=request.line,
+            custom_id=request.custom_id,
+            param="body.max_tokens",
+            status_code=422,
+        )
+    return request
+
+
+class BatchLineParser:
+    """Parses the lines of one batch file in order, rejecting repeated `custom_id`s.
+
+    A `custom_id` counts as used as soon as a line names it, even if that line is invalid.
+    """
+
+    def __init__(
+        self, served_model_names: Iterable[str] | None = None, max_tokens_cap: int | None = None
+    ) -> None:
+        self.served_model_names = list(served_model_names) if served_model_names else None
+        self.max_tokens_cap = max_tokens_cap
+        self.seen: dict[str, int | None] = {}
+
+    def parse(self, text: str | bytes, line: int | None = None) -> ParsedRequest:
+        try:
+            request = parse_request_line(
+                text, line=line, served_model_names=self.served_model_names
+            )
+        except BatchRequestError as err:
+            if err.custom_id is not None:
+                self.seen.setdefault(err.custom_id, line)
+            raise
+        if request.custom_id in self.seen:
+            first = self.seen[request.custom_id]
+            where = f" (first used on line {first})" if first is not None else ""
+            raise BatchRequestError(
+                f'duplicate "custom_id" {describe(request.custom_id)}{where}',
+                code=DUPLICATE_CUSTOM_ID,
+                line=line,
+                custom_id=request.custom_id,
+                param="custom_id",
+            )
+        self.seen[request.custom_id] = line
+        return apply_max_tokens_cap(request, self.max_tokens_cap)

@@ -1,0 +1,95 @@
+"""Output and error lines in the shape OpenAI's Batch API writes them, and their JSON text."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from conveyor.batch_format.errors import BatchRequestError
+from conveyor.batch_format.request_line import ParsedRequest
+from conveyor.batch_format.responses import chat_completion_body, new_id, text_completion_body
+from conveyor.batch_format.token_text import TokenDecoder
+
+
+def build_output_line(
+    request: ParsedRequest,
+    output: Any,
+    model: str,
+    decoder: TokenDecoder,
+    created: int | None = None,
+) -> dict[str, Any]:
+    """The result line for a finished request (`output` is the engine's `RequestOutput`)."""
+    build = chat_completion_body if request.is_chat else text_completion_body
+    return {
+        "id": f"batch_req_{new_id()}",
+        "custom_id": request.custom_id,
+        "response": {
+            "status_code": 200,
+            "request_id": new_id(),
+            "body": build(request, output, model, decoder, created),
+        },
+        "error": None,
+    }
+
+
+def build_error_line(
+    custom_id: str | None,
+    code: str,
+    message: str,
+    *,
+    line: int | None = None,
+    param: str | None = None,
+    status_code: int | None = 400,
+) -> dict[str, Any]:
+    """An error line.
+
+    `error` always holds `{code, message, line, param}`. When the line named a `custom_id`,
+    `response` also carries the HTTP-style error the endpoint would have answered
+    (`status_code` 400 for a bad request, 500 for a server failure); for a line that could not
+    be attributed to a request (not JSON, no custom_id), `response` is null.
+    """
+    error = {"code": code, "message": message, "line": line, "param": param}
+    response = None
+    if custom_id is not None and status_code is not None:
+        response = {
+            "status_code": status_code,
+            "request_id": new_id(),
+            "body": {
+                "error": {
+                    "message": message,
+                    "type": "invalid_request_error" if status_code < 500 else "server_error",
+                    "param": param,
+                    "code": code,
+                }
+            },
+        }
+    return {
+        "id": f"batch_req_{new_id()}",
+        "custom_id": custom_id,
+        "response": response,
+        "error": error,
+    }
+
+
+def dump_line(obj: dict[str, Any]) -> str:
+    """A result or error line as JSON text that UTF-8 (a file, the ledger) can always hold:
+    text as it is, unless it has a lone surrogate (model text or an echoed prompt can), then
+    with every non-ASCII character escaped, which decodes to the same line."""
+    text = json.dumps(obj, ensure_ascii=False)
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return json.dumps(obj)
+    return text
+
+
+def error_line_from_exception(err: BatchRequestError) -> dict[str, Any]:
+    return build_error_line(
+        err.custom_id,
+        err.code,
+        str(err),
+        line=err.line,
+        param=err.param,
+        status_code=err.status_code,
+    )
