@@ -1,0 +1,26 @@
+"""What the engine asks of a paged attention backend."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kernels.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, heads, head_dim]
+        key: torch.Tensor,  # [T, kv_heads, head_dim]
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write this step's K/V into the caches, then attend; returns [T, heads, head_dim]."""
+        ...

@@ -1,0 +1,75 @@
+"""The CPU backends: the torch reference (the test oracle), and the same with its decode
+attention compiled by torch.compile."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import cascade, torch_paged
+
+
+class TorchPagedAttention:
+    name = "torch"
+    cascade = True  # reads a prefix shared by many sequences once for all (kernels.cascade)
+    decode_attention = staticmethod(torch_paged.decode_attention)
+
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale):  # noqa: D102
+        torch_paged.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        plan = meta.cascade
+        if plan is None:
+            return self._attend(query, key, value, k_cache, v_cache, meta, scale, False)[0]
+        out, lse = self._attend(query, key, value, k_cache, v_cache, plan.suffix, scale, True)
+        for prefix in plan.prefixes:
+            cascade.merge_prefix(out, lse, query, k_cache, v_cache, prefix, scale)
+        return out
+
+    def _attend(self, query, key, value, k_cache, v_cache, meta, scale, return_lse):
+        """Attention of every query over the cache `meta` describes, and with `return_lse`
+        the log-sum-exp of its scores (else None)."""
+        d = meta.num_decode_tokens
+        parts = []
+        if d:
+            parts.append(
+                self.decode_attention(
+                    query[:d],
+                    k_cache,
+                    v_cache,
+                    meta.decode_block_tables,
+                    meta.decode_context_lens,
+                    scale,
+                    return_lse=return_lse,
+                )
+            )
+        if meta.num_prefills:
+            parts.append(
+                torch_paged.prefill_attention(
+                    query[d:],
+                    k_cache,
+                    v_cache,
+                    meta.prefill_block_tables,
+                    meta.prefill_query_start,
+                    meta.prefill_context_lens,
+                    scale,
+                    key[d:],  # a prompt with nothing cached attends to these, no gather
+                    value[d:],
+                    return_lse=return_lse,
+                )
+            )
+        if not return_lse:
+            return (parts[0] if len(parts) == 1 else torch.cat(parts)), None
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+class CompiledPagedAttention(TorchPagedAttention):
+    """The torch path with its decode attention compiled (CPU): no gathered K/V copies."""
+
+    name = "compiled"
+
+    def __init__(self) -> None:
+        from kernels import compiled_paged
+
+        if problem := compiled_paged.compiler_missing():
+            raise ValueError(f"attention_backend='compiled' needs inductor's C++ build: {problem}")
+        self.decode_attention = compiled_paged.decode_attention
