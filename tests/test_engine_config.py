@@ -1,13 +1,19 @@
-"""`EngineConfig`: its checks, and the engine built from it or from keyword options."""
+"""`EngineConfig`: its checks, the engine built from it or from keyword options, and the
+engine modules that load without torch."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
 from engine.config import EngineConfig
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(
@@ -49,3 +55,12 @@ def test_engine_takes_a_config_or_options(checkpoints) -> None:
         LLM(path, config, max_num_seqs=4)
     with pytest.raises(ValueError, match="block_size must be positive"):
         LLM(path, device="cpu", block_size=0)
+
+
+def test_config_sampling_params_and_outputs_import_without_torch() -> None:
+    code = (
+        "import sys, engine.config, engine.sampling_params, engine.outputs;"
+        "from engine import EngineConfig, SamplingParams, RequestOutput;"
+        "assert 'torch' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
