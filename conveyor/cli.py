@@ -258,7 +258,7 @@ def _cmd_run_batch(args: argparse.Namespace) -> int:
         return _fail(command, "--error-file must differ from --output (or leave it out)", 2)
 
     try:
-        from engine import LLM, SamplingParams
+        from engine import LLM
     except Exception as err:  # a broken install should say so, not dump a traceback
         return _fail(command, f"cannot import the engine: {type(err).__name__}: {err}")
 
@@ -289,7 +289,6 @@ def _cmd_run_batch(args: argparse.Namespace) -> int:
         )
         runner = BatchRunner(
             llm,
-            sampling_params_cls=SamplingParams,
             model_name=model_name,
             out=out,
             error_out=err_out,

@@ -873,9 +873,7 @@ def test_runner_writes_and_flushes_each_line(tmp_path: Path) -> None:
     lines = [(i, completion_line(f"r{i}", "x").encode()) for i in range(1, 7)]
     lines.insert(2, (99, completion_line("long", "too long").encode()))
     with open(path, "w", encoding="utf-8") as out:
-        runner = BatchRunner(
-            engine, sampling_params_cls=dict, model_name="m", out=out, max_pending=2
-        )
+        runner = BatchRunner(engine, model_name="m", out=out, max_pending=2)
         with pytest.raises(KeyboardInterrupt):
             runner.run(lines)
         # Written lines are already on disk before the file is closed.
@@ -896,7 +894,7 @@ def test_runner_reports_requests_the_engine_lost(tmp_path: Path) -> None:
             return False
 
     out = io.StringIO()
-    runner = BatchRunner(LosingEngine(), sampling_params_cls=dict, model_name="m", out=out)
+    runner = BatchRunner(LosingEngine(), model_name="m", out=out)
     stats = runner.run([(1, completion_line("a").encode())])
     (row,) = [json.loads(x) for x in out.getvalue().splitlines()]
     assert row["custom_id"] == "a" and row["error"]["code"] == "internal_error"
@@ -923,7 +921,6 @@ def test_runner_writes_lines_that_hold_lone_surrogates(tmp_path: Path) -> None:
     with open(path, "w", encoding="utf-8") as out:
         runner = BatchRunner(
             SurrogateEngine(),
-            sampling_params_cls=dict,
             model_name="m",
             out=out,
             served_model_names=["m"],

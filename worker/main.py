@@ -18,14 +18,14 @@ from worker.runtime import WorkerRuntime
 log = logging.getLogger(__name__)
 
 
-def build_engine(model: str, engine_kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """(engine, SamplingParams class) for `model`; `echo` is the null engine."""
-    from engine import LLM, SamplingParams
+def build_engine(model: str, engine_kwargs: dict[str, Any]) -> Any:
+    """The engine for `model`; `echo` is the null engine."""
+    from engine import LLM
 
     if model == ECHO_MODEL:
         step = float(os.environ.get("CONVEYOR_ECHO_STEP_SECONDS") or 0)
-        return EchoEngine(step, engine_kwargs.get("max_num_seqs") or 256), SamplingParams
-    return LLM(model, **engine_kwargs), SamplingParams
+        return EchoEngine(step, engine_kwargs.get("max_num_seqs") or 256)
+    return LLM(model, **engine_kwargs)
 
 
 def pick_device(settings: Settings, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -56,9 +56,9 @@ def start_runtime(
 ) -> WorkerRuntime:
     if model != ECHO_MODEL:
         engine_kwargs = pick_device(settings, engine_kwargs)
-    engine, params_cls = build_engine(model, engine_kwargs)
+    engine = build_engine(model, engine_kwargs)
     names = served_model_names(model, served_names)
-    runtime = WorkerRuntime(settings, engine, names, params_cls, name=name)
+    runtime = WorkerRuntime(settings, engine, names, name=name)
     runtime.start()
     return runtime
 
