@@ -64,3 +64,30 @@ def test_config_sampling_params_and_outputs_import_without_torch() -> None:
         "assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_command_line_flags_make_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    from conveyor.cli import build_parser
+    from conveyor.cli.engine_options import engine_config
+
+    flags = [
+        "--max-model-len", "64", "--block-size", "8", "--num-kv-blocks", "32",
+        "--kv-cache-memory", "1KiB", "--gpu-memory-utilization", "0.5", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "128", "--dtype", "float32", "--device", "cpu",
+        "--no-prefix-caching", "--seed", "7", "--admission-policy", "fcfs",
+        "--max-waiting-time", "2.5", "--attention-backend", "sdpa",
+    ]  # fmt: skip
+    expected = EngineConfig(
+        max_model_len=64, block_size=8, num_kv_blocks=32, kv_cache_memory=1024,
+        gpu_memory_utilization=0.5, max_num_seqs=4, max_num_batched_tokens=128,
+        dtype="float32", device="cpu", enable_prefix_caching=False, seed=7,
+        admission_policy="fcfs", max_waiting_time=2.5, attention_backend="sdpa",
+    )  # fmt: skip
+    run_batch = ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "--model", "m"]
+    assert engine_config(build_parser().parse_args([*run_batch, *flags])) == expected
+    assert engine_config(build_parser().parse_args(run_batch)) == EngineConfig()
+
+    monkeypatch.setenv("CONVEYOR_MAX_NUM_SEQS", "4")
+    monkeypatch.setenv("CONVEYOR_NO_PREFIX_CACHING", "true")
+    worker = engine_config(build_parser().parse_args(["worker", "--model", "m"]))
+    assert worker == EngineConfig(max_num_seqs=4, enable_prefix_caching=False)

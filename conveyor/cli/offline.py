@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, fail
-from conveyor.cli.engine_options import add_engine_arguments, engine_kwargs
+from conveyor.cli.engine_options import add_engine_arguments, engine_config
 from conveyor.served_names import served_model_names
 
 RUN_BATCH = "run-batch"
@@ -89,7 +89,7 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 
     print(f"loading model {args.model!r} ...", file=sys.stderr)
     try:
-        llm = LLM(args.model, **engine_kwargs(args))
+        llm = LLM(args.model, engine_config(args))
     except Exception as err:
         return fail(RUN_BATCH, f"cannot load model {args.model!r}: {type(err).__name__}: {err}")
     return _run_batch(args, llm, input_path, total)
@@ -132,7 +132,7 @@ def _run_batch(args: argparse.Namespace, llm: Any, input_path: Path, total: int)
             out=out,
             error_out=err_out,
             served_model_names=served,
-            max_pending=4 * (args.max_num_seqs or 256),
+            max_pending=4 * llm.engine_config.max_num_seqs,
             progress=progress,
         )
         try:

@@ -10,9 +10,10 @@ import time
 from typing import Any
 
 from conveyor.cli.common import EXIT_OK, EXIT_USAGE, add_url_argument, fail
-from conveyor.cli.engine_options import add_engine_arguments, engine_kwargs
+from conveyor.cli.engine_options import add_engine_arguments, engine_config
 from conveyor.env_args import apply_env_defaults
 from conveyor.served_names import served_model_names
+from engine.config import EngineConfig
 
 
 def _settings():
@@ -94,7 +95,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     try:
         runtime = start_runtime(
-            settings, args.model, args.served_model_name, engine_kwargs(args), name=args.name
+            settings, args.model, args.served_model_name, engine_config(args), name=args.name
         )
     except Exception as err:
         return fail("worker", f"cannot start: {type(err).__name__}: {err}")
@@ -155,7 +156,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"serving model {names[0]!r}",
         file=sys.stderr,
     )
-    runtime = start_runtime(settings, model, names, {})
+    runtime = start_runtime(settings, model, names, EngineConfig())
     thread = threading.Thread(target=server.run, name="conveyor-api", daemon=True)
     thread.start()
     try:
