@@ -97,21 +97,21 @@ class LLMEngine:
         """Load the model's config, tokenizer and weights, once max_model_len fits the model."""
         path = resolve_model_path(model)
         self.model_path = path
-        config = load_config(path)
-        self.config = config
-        self.dtype = _resolve_dtype(self.engine_config.dtype, config, self.device)
+        hf_config = load_config(path)
+        self.config = hf_config  # the model's; the engine's own is self.engine_config
+        self.dtype = _resolve_dtype(self.engine_config.dtype, hf_config, self.device)
         self.tokenizer = load_tokenizer(path)
-        self.eos_token_ids = eos_token_ids(path, config, self.tokenizer)
-        self.vocab_size = config.vocab_size
+        self.eos_token_ids = eos_token_ids(path, hf_config, self.tokenizer)
+        self.vocab_size = hf_config.vocab_size
 
         max_model_len = self.engine_config.max_model_len
-        max_positions = config.max_position_embeddings
+        max_positions = hf_config.max_position_embeddings
         if max_model_len is not None and max_model_len > max_positions:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's "
                 f"max_position_embeddings={max_positions}"
             )
-        return load_model(path, config, self.dtype, self.device, max_positions)
+        return load_model(path, hf_config, self.dtype, self.device, max_positions)
 
     def _num_kv_blocks(self, net: DecoderForCausalLM) -> int:
         """The configured number of KV cache blocks, else as many as the memory budget holds."""
