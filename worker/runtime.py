@@ -32,10 +32,10 @@ from conveyor.batch_format.result_lines import (
     error_line_from_exception,
 )
 from conveyor.batch_format.token_text import TokenDecoder
-from conveyor.batch_runner import prepare_request
 from conveyor.dispatch.celery_app import make_celery
 from conveyor.dispatch.queues import queue_for, worker_queue
 from conveyor.dispatch.reconciler import ReconcilerLoop, reconcile
+from conveyor.engine_request import prepare_request
 from conveyor.logs import bind, log_context
 from conveyor.settings import Settings
 from ledger.db import Ledger
