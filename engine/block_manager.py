@@ -12,8 +12,12 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.prompt_logprobs import BlockLogprobs
 
 
 @dataclass
@@ -21,6 +25,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     key: bytes | None = None
+    logprobs: BlockLogprobs | None = None  # its prompt logprobs, kept while its key is
 
 
 def block_key(parent: bytes | None, tokens: Seq[int]) -> bytes:
@@ -31,6 +36,10 @@ def block_key(parent: bytes | None, tokens: Seq[int]) -> bytes:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _keeps_logprobs(block: Block, k: int) -> bool:
+    return block.logprobs is not None and block.logprobs.k >= k
 
 
 class BlockManager:
@@ -61,6 +70,7 @@ class BlockManager:
             if self.cached.get(block.key) == block_id:
                 del self.cached[block.key]
             block.key = None
+        block.logprobs = None
         block.ref_count = 1
         return block_id
 
@@ -90,13 +100,17 @@ class BlockManager:
         return keys[:num_blocks]
 
     def match_prefix(self, seq: Sequence) -> list[int]:
-        """Leading cached blocks of `seq`, leaving at least one token to compute."""
+        """Leading cached blocks of `seq`, leaving at least one token to compute. For a request
+        that asks for prompt logprobs, only blocks that kept at least as many alternatives."""
         if not self.enable_prefix_caching:
             return []
+        k = seq.request.params.prompt_logprobs
         hits = []
         for key in self.block_keys(seq, (seq.num_tokens - 1) // self.block_size):
             block_id = self.cached.get(key)
             if block_id is None:
+                break
+            if k is not None and not _keeps_logprobs(self.blocks[block_id], k):
                 break
             hits.append(block_id)
         return hits

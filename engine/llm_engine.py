@@ -23,9 +23,10 @@ from engine.loader import (
 from engine.model_runner import ModelRunner
 from engine.models import DecoderForCausalLM
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from engine.sampler import Sampler, SampleRequest, top_logprobs
+from engine.prompt_logprobs import PromptLogprobs
+from engine.sampler import Sampler, SampleRequest
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq, Scheduler
+from engine.scheduler import Scheduler
 from engine.sequence import Request, Sequence
 from kernels import get_attention_backend
 
@@ -89,6 +90,7 @@ class LLMEngine:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
+        self.prompt_logprobs = PromptLogprobs(self.block_manager, net)
         self.requests: dict[str, Request] = {}
         self.generation_tokens = 0
         self.num_steps = 0
@@ -184,7 +186,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         request = Request(request_id, text, token_ids, params)
         if params.prompt_logprobs is not None:
-            request.prompt_logprobs = [None]
+            request.prompt_entries = [None]
         seq = Sequence(request, 0, list(token_ids), len(token_ids), self._generator(params, 0))
         request.seqs.append(seq)
         self.requests[request_id] = request
@@ -241,11 +243,13 @@ class LLMEngine:
         scheduled.sort(key=lambda item: item.num_new_tokens > 1)  # decodes first
         self.runner.copy_blocks(self.block_manager.take_pending_copies())
         completing = [item.seq for item in scheduled if item.completes]
-        result = self.runner.run(scheduled, self._seqs_needing_prompt_logprobs(scheduled))
-        self._record_prompt_logprobs(scheduled, result.prompt_logits)
+        self.prompt_logprobs.fill_from_cache(scheduled)
+        result = self.runner.run(scheduled, self.prompt_logprobs.seqs_to_compute(scheduled))
+        self.prompt_logprobs.record(scheduled, result.prompt_logits)
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_computed_blocks(item.seq)
+        self.prompt_logprobs.keep(scheduled, result.prompt_boundaries)
 
         rows, seqs = [], []
         for row, seq in enumerate(completing):
@@ -312,29 +316,6 @@ class LLMEngine:
             metrics=request.metrics,
             error=f"{type(err).__name__}: {err}",
         )
-
-    def _seqs_needing_prompt_logprobs(self, scheduled: list[ScheduledSeq]) -> set[int]:
-        return {
-            item.seq.seq_id
-            for item in scheduled
-            if item.seq.request.prompt_logprobs is not None
-            and len(item.seq.request.prompt_logprobs) < item.seq.num_prompt_tokens
-        }
-
-    def _record_prompt_logprobs(self, scheduled, prompt_logits) -> None:
-        for item in scheduled:
-            entry = prompt_logits.get(item.seq.seq_id)
-            if entry is None:
-                continue
-            first, logits = entry
-            request = item.seq.request
-            k = request.params.prompt_logprobs or 0
-            logprobs = torch.log_softmax(logits, dim=-1)
-            for j in range(logits.shape[0]):
-                target = first + j + 1  # the prompt position this row predicts
-                if target == len(request.prompt_logprobs):
-                    token = request.prompt_token_ids[target]
-                    request.prompt_logprobs.append(top_logprobs(logprobs[j], token, k))
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         request = parent.request
@@ -423,7 +404,7 @@ class LLMEngine:
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            prompt_logprobs=request.prompt_logprobs,
+            prompt_logprobs=PromptLogprobs.output(request),
             outputs=outputs,
             finished=True,
             num_cached_tokens=request.num_cached_tokens or 0,

@@ -17,6 +17,9 @@ from kernels.metadata import BatchTables
 class ForwardResult:
     sample_logits: torch.Tensor  # [num sequences that complete, vocab], in `scheduled` order
     prompt_logits: dict[int, tuple[int, torch.Tensor]]  # seq_id -> (first position, logits)
+    # seq_id -> (position, final hidden state) at the last position of each full prompt block
+    # computed in this step, for the sequences whose prompt logprobs were computed
+    prompt_boundaries: dict[int, list[tuple[int, torch.Tensor]]]
 
 
 class ModelRunner:
@@ -67,6 +70,7 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         prompt_rows: dict[int, tuple[int, int, int]] = {}  # seq_id -> (first pos, row start, end)
+        boundary_rows: dict[int, list[tuple[int, int]]] = {}  # seq_id -> [(position, row)]
         decode_tables, decode_lens = [], []
         prefill_tables, prefill_lens, query_start = [], [], [0]
         for item in scheduled:
@@ -91,6 +95,11 @@ class ModelRunner:
                 end = min(start + n, seq.num_prompt_tokens - 1)
                 if end > start:
                     prompt_rows[seq.seq_id] = (start, row, row + end - start)
+                last = min(start + n, seq.num_prompt_tokens)
+                first_boundary = (start // bs + 1) * bs - 1
+                boundary_rows[seq.seq_id] = [
+                    (p, row + p - start) for p in range(first_boundary, last, bs)
+                ]
 
         dev = self.device
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
@@ -110,4 +119,7 @@ class ModelRunner:
             seq_id: (first, self.model.compute_logits(hidden[a:b]).float())
             for seq_id, (first, a, b) in prompt_rows.items()
         }
-        return ForwardResult(sample_logits, prompt_logits)
+        prompt_boundaries = {
+            seq_id: [(p, hidden[r]) for p, r in rows] for seq_id, rows in boundary_rows.items()
+        }
+        return ForwardResult(sample_logits, prompt_logits, prompt_boundaries)

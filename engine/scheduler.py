@@ -112,7 +112,7 @@ class Scheduler:
         for seq in self._admission_order():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            hits = [] if seq.request.params.prompt_logprobs is not None else bm.match_prefix(seq)
+            hits = bm.match_prefix(seq)
             if (
                 in_flight
                 and not self._overdue(seq)
@@ -155,8 +155,6 @@ class Scheduler:
         def key(seq: Sequence) -> tuple[int, float]:
             if self._overdue(seq):
                 return (0, seq.arrival_time)  # overdue: strictly by arrival
-            if seq.request.params.prompt_logprobs is not None:
-                return (1, 0.0)
             return (1, -len(bm.match_prefix(seq)))
 
         return sorted(waiting, key=key)
@@ -179,8 +177,6 @@ class Scheduler:
 
     def _next_block_in_flight(self, seq: Sequence, num_hits: int, in_flight: set[bytes]) -> bool:
         """Whether the first block `seq` would compute is being computed by another sequence."""
-        if seq.request.params.prompt_logprobs is not None:
-            return False
         if num_hits >= (seq.num_tokens - 1) // self.block_manager.block_size:
             return False
         return self.block_manager.block_keys(seq, num_hits + 1)[num_hits] in in_flight

@@ -6,11 +6,15 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.outputs import RequestMetrics, TokenLogprobs
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.prompt_logprobs import LogprobEntry
 
 _seq_ids = itertools.count()
 
@@ -67,8 +71,8 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
-    # prompt_logprobs[i] is for prompt token i; entry 0 is None (nothing predicts it)
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # prompt_entries[i] is for prompt token i; entry 0 is None (nothing predicts it)
+    prompt_entries: list[LogprobEntry | None] | None = None
     num_cached_tokens: int | None = None  # prompt tokens served from the cache on first admission
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 

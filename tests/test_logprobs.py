@@ -42,8 +42,9 @@ def test_logprobs_match_transformers(checkpoints, arch):
         assert math.isclose(completion.cumulative_logprob, total, abs_tol=1e-3)
 
 
-def test_prompt_logprobs_bypass_the_prefix_cache(checkpoints):
-    """Cached prompt tokens have no logits, so a request asking for them computes everything."""
+def test_prompt_logprobs_compute_blocks_that_kept_none(checkpoints):
+    """Blocks cached by a request that asked for no prompt logprobs kept none, so a request
+    asking for them computes its whole prompt."""
     path = checkpoints["llama"]
     llm = LLM(str(path), device="cpu")
     prompt = list(range(10, 80))
