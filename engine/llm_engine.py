@@ -170,8 +170,18 @@ class LLMEngine:
         return ids
 
     def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        stream: bool = False,
     ) -> None:
+        """Queue a request. A lower `priority` is admitted first, and to admit it the engine
+        preempts running requests of a higher one (as vLLM's priority scheduling). With
+        `stream`, every step that gives it a token returns its output so far
+        (`finished=False`) besides the final one."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -184,7 +194,7 @@ class LLMEngine:
                 f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens fit"
             )
         text = prompt if isinstance(prompt, str) else None
-        request = Request(request_id, text, token_ids, params)
+        request = Request(request_id, text, token_ids, params, priority=priority, stream=stream)
         if params.prompt_logprobs is not None:
             request.prompt_entries = [None]
         seq = Sequence(request, 0, list(token_ids), len(token_ids), self._generator(params, 0))
@@ -235,7 +245,8 @@ class LLMEngine:
     # ---- one iteration ----------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return the outputs of the requests that finished in it."""
+        """Run one batch; return the outputs of the requests that finished in it, and of the
+        streamed requests that got a token in it (`finished=False`)."""
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
@@ -250,7 +261,15 @@ class LLMEngine:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_computed_blocks(item.seq)
         self.prompt_logprobs.keep(scheduled, result.prompt_boundaries)
+        seqs, logits = self._samples(completing, result.sample_logits)
+        sampled = self.sampler(logits, [self._sample_request(s) for s in seqs])
+        return self._advance(seqs, sampled.token_ids, sampled.logprobs)
 
+    def _samples(
+        self, completing: list[Sequence], logits: torch.Tensor
+    ) -> tuple[list[Sequence], torch.Tensor]:
+        """The sequences to sample a token for and their logits rows: a request's first
+        completed prompt forks into its `n` samples here, sharing the prompt's row."""
         rows, seqs = [], []
         for row, seq in enumerate(completing):
             if seq.request.needs_fork:
@@ -259,32 +278,42 @@ class LLMEngine:
                     seqs.append(child)
             rows.append(row)
             seqs.append(seq)
-        logits = result.sample_logits
         if len(rows) != len(completing):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        sampled = self.sampler(logits, [self._sample_request(s) for s in seqs])
+        return seqs, logits
 
-        finished: list[RequestOutput] = []
+    def _advance(
+        self, seqs: list[Sequence], tokens: list[int], logprobs: list[TokenLogprobs | None]
+    ) -> list[RequestOutput]:
+        """Append each sequence's sampled token; the outputs of what finished or streams."""
+        outputs: list[RequestOutput] = []
         failed: set[str] = set()
+        streamed: dict[str, Request] = {}
         now = time.monotonic()
-        for i, seq in enumerate(seqs):
+        for seq, token, top in zip(seqs, tokens, logprobs, strict=True):
             request = seq.request
             if request.request_id in failed:
                 continue
             # what one request's tokens, text or output does to the engine must stay its own
             try:
-                self._append_token(seq, sampled.token_ids[i], sampled.logprobs[i])
+                self._append_token(seq, token, top)
                 if request.metrics.first_token_time is None:
                     request.metrics.first_token_time = now
                 if seq.finish_reason is not None:
                     self.scheduler.finish(seq)
                     if request.is_finished and request.request_id in self.requests:
-                        finished.append(self._request_output(request))
+                        outputs.append(self._request_output(request))
                         del self.requests[request.request_id]
+                        continue
+                if request.stream:
+                    streamed[request.request_id] = request
             except Exception as err:
                 failed.add(request.request_id)
-                finished.append(self._fail_request(request, err))
-        return finished
+                outputs.append(self._fail_request(request, err))
+        for request_id, request in streamed.items():
+            if request_id in self.requests and request_id not in failed:
+                outputs.append(self._request_output(request, finished=False))
+        return outputs
 
     def _fail_request(self, request: Request, err: Exception) -> RequestOutput:
         """End `request` on an error of its own: free its sequences, report what it had."""
@@ -386,8 +415,9 @@ class LLMEngine:
             seq.output_token_ids, skip_special_tokens=seq.request.params.skip_special_tokens
         )
 
-    def _request_output(self, request: Request) -> RequestOutput:
-        request.metrics.finished_time = time.monotonic()
+    def _request_output(self, request: Request, finished: bool = True) -> RequestOutput:
+        if finished:
+            request.metrics.finished_time = time.monotonic()
         outputs = [
             CompletionOutput(
                 index=seq.index,
@@ -406,7 +436,7 @@ class LLMEngine:
             prompt_token_ids=request.prompt_token_ids,
             prompt_logprobs=PromptLogprobs.output(request),
             outputs=outputs,
-            finished=True,
+            finished=finished,
             num_cached_tokens=request.num_cached_tokens or 0,
             metrics=request.metrics,
         )

@@ -6,17 +6,20 @@ blocks to recompute it later. Then, if nothing was preempted, it admits waiting 
 the token budget, the sequence limit and the pool allow. A long prompt is split over several
 steps (chunked prefill).
 
-Admission is cache-aware (SGLang's longest-prefix-match): waiting sequences with the longest
-prefix already in the cache go first, and a sequence whose next uncached block is being computed
-right now by another sequence waits for it instead of computing the same KV again. Sorting is
-skipped (arrival order) when more than `lpm_max_waiting` sequences wait, and a sequence that has
-waited `max_waiting_time` seconds goes before all others, so nothing starves.
+A request of a more urgent priority (a lower number: online requests before batch work) is
+admitted first, preempting running sequences of a less urgent one when it has no room. Within a
+priority, admission is cache-aware (SGLang's longest-prefix-match): waiting sequences with the
+longest prefix already in the cache go first, and a sequence whose next uncached block is being
+computed right now by another sequence waits for it instead of computing the same KV again.
+Sorting is skipped (arrival order) when more than `lpm_max_waiting` sequences wait, and a
+sequence that has waited `max_waiting_time` seconds goes before all others of its priority, so
+nothing starves.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -64,6 +67,7 @@ class Scheduler:
         self.max_waiting_time = max_waiting_time
         self.clock = clock
         self.waiting: deque[Sequence] = deque()
+        self.waiting_priorities: Counter[int] = Counter()  # priority -> sequences waiting
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
 
@@ -71,6 +75,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.arrival_time = self.clock()
         self.waiting.append(seq)
+        self.waiting_priorities[seq.request.priority] += 1
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence forked from a running one joins the running set directly."""
@@ -84,6 +89,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted = False
+        self._make_room_for_priority()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -104,6 +110,28 @@ class Scheduler:
         if not preempted:
             self._admit(scheduled, budget)
         return scheduled
+
+    def _make_room_for_priority(self) -> None:
+        """Preempt running sequences of a lower priority (a higher number), most recently
+        admitted first, while the most urgent waiting sequence has no room to start."""
+        most_urgent = min((p for p, n in self.waiting_priorities.items() if n), default=None)
+        if most_urgent is None or all(s.request.priority <= most_urgent for s in self.running):
+            return
+        urgent = next(s for s in self.waiting if s.request.priority == most_urgent)
+        bm = self.block_manager
+        while True:
+            lower = [s for s in self.running if s.request.priority > urgent.request.priority]
+            if not lower:
+                return
+            hits = bm.match_prefix(urgent)
+            first_chunk = min(
+                urgent.num_tokens - len(hits) * bm.block_size, self.max_num_batched_tokens
+            )
+            if len(self.running) < self.max_num_seqs and bm.can_schedule(urgent, first_chunk, hits):
+                return
+            victim = lower[-1]
+            self.running.remove(victim)
+            self._preempt(victim)
 
     def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> None:
         bm = self.block_manager
@@ -141,21 +169,24 @@ class Scheduler:
                 in_flight.update(self._uncomputed_prompt_keys(seq))
         if admitted:
             self.waiting = deque(s for s in self.waiting if s.seq_id not in admitted)
+            self.waiting_priorities = Counter(s.request.priority for s in self.waiting)
 
     def _overdue(self, seq: Sequence) -> bool:
         return self.clock() - seq.arrival_time >= self.max_waiting_time
 
     def _admission_order(self) -> list[Sequence]:
-        """Overdue sequences first (arrival order), then the longest cached prefix first."""
+        """The most urgent priority first; within one, overdue sequences first (arrival
+        order), then the longest cached prefix first."""
         waiting = list(self.waiting)
         if not self.cache_aware or len(waiting) > self.lpm_max_waiting:
-            return sorted(waiting, key=lambda s: not self._overdue(s))  # stable: arrival order
+            # stable: arrival order within (priority, overdue)
+            return sorted(waiting, key=lambda s: (s.request.priority, not self._overdue(s)))
         bm = self.block_manager
 
-        def key(seq: Sequence) -> tuple[int, float]:
+        def key(seq: Sequence) -> tuple[int, int, float]:
             if self._overdue(seq):
-                return (0, seq.arrival_time)  # overdue: strictly by arrival
-            return (1, -len(bm.match_prefix(seq)))
+                return (seq.request.priority, 0, seq.arrival_time)  # overdue: by arrival
+            return (seq.request.priority, 1, -len(bm.match_prefix(seq)))
 
         return sorted(waiting, key=key)
 
@@ -190,6 +221,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.arrival_time = float("-inf")  # overdue at once: first in line to come back
         self.waiting.appendleft(seq)
+        self.waiting_priorities[seq.request.priority] += 1
         self.counters.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
@@ -198,5 +230,6 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self.waiting_priorities[seq.request.priority] -= 1
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED

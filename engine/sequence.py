@@ -70,6 +70,8 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int = 0  # lower goes first
+    stream: bool = False  # every step's output so far is returned, not only the last
     seqs: list[Sequence] = field(default_factory=list)
     # prompt_entries[i] is for prompt token i; entry 0 is None (nothing predicts it)
     prompt_entries: list[LogprobEntry | None] | None = None
