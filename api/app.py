@@ -12,10 +12,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from api import errors
 from api.deps import AppState
 from api.metrics import api_registry
-from api.routes import batches, files, system
+from api.routes import batches, files, online, system
 from api.storage import FileStore
 from conveyor import __version__
 from conveyor.dispatch.celery_app import make_celery
+from conveyor.dispatch.online import bus_for
 from conveyor.dispatch.reconciler import ReconcilerLoop
 from conveyor.settings import Settings
 from ledger.db import Ledger
@@ -33,6 +34,7 @@ def create_app(settings: Settings | None = None, *, reconcile: bool = True) -> F
             ledger=Ledger(settings.db_url),
             celery=make_celery(settings),
             files=FileStore(settings.files_dir),
+            online=bus_for(settings.broker_url),
         )
         app.state.conveyor = state
         loop = ReconcilerLoop(state.ledger, state.celery, settings) if reconcile else None
@@ -63,6 +65,8 @@ def create_app(settings: Settings | None = None, *, reconcile: bool = True) -> F
     app.include_router(batches.router)
     app.include_router(system.router)
     app.include_router(system.models)
+    app.include_router(online.router)
+    app.include_router(online.tokenizer)
     registry = api_registry(lambda: app.state.conveyor.ledger)
 
     @app.get("/metrics", tags=["system"], include_in_schema=False)

@@ -13,6 +13,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from api.storage import FileStore
+from conveyor.dispatch.online import OnlineBus
 from conveyor.settings import Settings
 from ledger.db import Ledger
 
@@ -23,6 +24,7 @@ class AppState:
     ledger: Ledger
     celery: Celery
     files: FileStore
+    online: OnlineBus
 
 
 async def get_state(request: Request) -> AppState:

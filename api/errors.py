@@ -37,6 +37,11 @@ class APIError(Exception):
         )
         self.headers = headers
 
+    @property
+    def body(self) -> dict:
+        """The error in OpenAI's shape."""
+        return _body(self.message, self.type, self.code, self.param)
+
 
 def not_found(kind: str, object_id: str) -> APIError:
     return APIError(404, f"no {kind} with id {object_id!r}", code=NOT_FOUND)
@@ -49,9 +54,7 @@ def _body(message: str, type: str, code: str | None = None, param: str | None = 
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, err: APIError) -> JSONResponse:
-        return JSONResponse(
-            _body(err.message, err.type, err.code, err.param), err.status, headers=err.headers
-        )
+        return JSONResponse(err.body, err.status, headers=err.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:

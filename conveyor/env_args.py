@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Iterable
 
 ENV_PREFIX = "CONVEYOR_"
 TRUE = {"1", "true", "yes", "on"}
@@ -23,12 +24,18 @@ def option_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     ]
 
 
-def apply_env_defaults(parser: argparse.ArgumentParser) -> list[str]:
-    """Every option of `parser` takes its default from `CONVEYOR_<DEST>` when that is set;
-    an option given on the command line still wins. Returns what is wrong with the values
-    that could not be used, for the command to report when it runs."""
+def apply_env_defaults(
+    parser: argparse.ArgumentParser, dests: Iterable[str] | None = None
+) -> list[str]:
+    """Every option of `parser` (or those of `dests`) takes its default from
+    `CONVEYOR_<DEST>` when that is set; an option given on the command line still wins.
+    Returns what is wrong with the values that could not be used, for the command to report
+    when it runs."""
     errors = []
+    wanted = None if dests is None else set(dests)
     for action in option_actions(parser):
+        if wanted is not None and action.dest not in wanted:
+            continue
         raw = os.environ.get(env_name(action))
         if raw is None:
             continue

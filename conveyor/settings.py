@@ -69,6 +69,7 @@ class Settings:
     max_batches_in_flight: int = 0  # unfinished batches per project; 0: no limit
     max_json_body_bytes: int = 1024 * 1024  # largest JSON request body (a batch create)
     max_completion_window: str = "168h"  # longest completion_window a batch may ask for
+    online_timeout: float = 600.0  # seconds an online request may take before its 504
     # on SIGTERM a worker's running shards get this long before they are handed back
     shutdown_timeout: float = 60.0
     log_format: str = "text"  # or "json": one object per line, with batch/shard/request ids
@@ -122,6 +123,7 @@ class Settings:
             shutdown_timeout=_env_float("CONVEYOR_SHUTDOWN_TIMEOUT", 60.0),
             log_format=(os.environ.get("CONVEYOR_LOG_FORMAT") or "text").strip().lower(),
             max_shard_attempts=_env_int("CONVEYOR_MAX_SHARD_ATTEMPTS", 3),
+            online_timeout=_env_float("CONVEYOR_ONLINE_TIMEOUT", 600.0),
         )
 
     @property

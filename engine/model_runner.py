@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.models import DecoderForCausalLM
 from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
 from kernels import AttentionBackend, AttentionMetadata
 from kernels.cascade import plan_cascade
 from kernels.metadata import BatchTables
@@ -64,62 +65,78 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq], prompt_logprob_seqs: set[int]) -> ForwardResult:
         """One forward pass; `scheduled` must list decodes (one new token) before prefills."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        prompt_rows: dict[int, tuple[int, int, int]] = {}  # seq_id -> (first pos, row start, end)
-        boundary_rows: dict[int, list[tuple[int, int]]] = {}  # seq_id -> [(position, row)]
-        decode_tables, decode_lens = [], []
-        prefill_tables, prefill_lens, query_start = [], [], [0]
-        for item in scheduled:
-            seq, n = item.seq, item.num_new_tokens
-            start = seq.num_computed_tokens
-            row = len(input_ids)
-            input_ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if n == 1 and not prefill_lens:
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
-            else:
-                prefill_tables.append(table)
-                prefill_lens.append(start + n)
-                query_start.append(query_start[-1] + n)
-            if item.completes:
-                sample_rows.append(row + n - 1)
-            if seq.seq_id in prompt_logprob_seqs:
-                # rows predicting prompt tokens start+1 .. num_prompt_tokens-1
-                end = min(start + n, seq.num_prompt_tokens - 1)
-                if end > start:
-                    prompt_rows[seq.seq_id] = (start, row, row + end - start)
-                last = min(start + n, seq.num_prompt_tokens)
-                first_boundary = (start // bs + 1) * bs - 1
-                boundary_rows[seq.seq_id] = [
-                    (p, row + p - start) for p in range(first_boundary, last, bs)
-                ]
-
+        step = StepLayout.of(scheduled, prompt_logprob_seqs, self.block_size)
         dev = self.device
-        slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
-        tables = BatchTables(decode_tables, decode_lens, prefill_tables, prefill_lens, query_start)
-        meta = AttentionMetadata.build(slot_mapping, tables, dev)
+        slot_mapping = torch.tensor(step.slots, dtype=torch.long, device=dev)
+        meta = AttentionMetadata.build(slot_mapping, step.tables, dev)
         if self.cascade:
-            meta.cascade = plan_cascade(slot_mapping, tables, bs, dev)
+            meta.cascade = plan_cascade(slot_mapping, step.tables, self.block_size, dev)
         hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
+            torch.tensor(step.input_ids, dtype=torch.long, device=dev),
+            torch.tensor(step.positions, dtype=torch.long, device=dev),
             self.kv_caches,
             meta,
             self.backend,
         )
-        sample_logits = self.model.compute_logits(hidden[sample_rows]).float()
+        sample_logits = self.model.compute_logits(hidden[step.sample_rows]).float()
         prompt_logits = {
             seq_id: (first, self.model.compute_logits(hidden[a:b]).float())
-            for seq_id, (first, a, b) in prompt_rows.items()
+            for seq_id, (first, a, b) in step.prompt_rows.items()
         }
         prompt_boundaries = {
-            seq_id: [(p, hidden[r]) for p, r in rows] for seq_id, rows in boundary_rows.items()
+            seq_id: [(p, hidden[r]) for p, r in rows] for seq_id, rows in step.boundary_rows.items()
         }
         return ForwardResult(sample_logits, prompt_logits, prompt_boundaries)
+
+
+@dataclass
+class StepLayout:
+    """Where each scheduled sequence's tokens sit in one step's flat batch."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # KV cache slot of each token
+    sample_rows: list[int] = field(default_factory=list)  # rows whose logits are sampled
+    # seq_id -> (first position, row start, row end) of the rows predicting prompt tokens
+    prompt_rows: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    # seq_id -> [(position, row)] of the last position of each full prompt block
+    boundary_rows: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    tables: BatchTables = field(default_factory=lambda: BatchTables([], [], [], [], [0]))
+
+    @classmethod
+    def of(
+        cls, scheduled: list[ScheduledSeq], prompt_logprob_seqs: set[int], block_size: int
+    ) -> StepLayout:
+        step, bs = cls(), block_size
+        tables = step.tables
+        for item in scheduled:
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            row = len(step.input_ids)
+            step.input_ids.extend(seq.token_ids[start : start + n])
+            step.positions.extend(range(start, start + n))
+            table = seq.block_table
+            step.slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1 and not tables.prefill_lens:
+                tables.decode_tables.append(table)
+                tables.decode_lens.append(start + 1)
+            else:
+                tables.prefill_tables.append(table)
+                tables.prefill_lens.append(start + n)
+                tables.query_start.append(tables.query_start[-1] + n)
+            if item.completes:
+                step.sample_rows.append(row + n - 1)
+            if seq.seq_id in prompt_logprob_seqs:
+                step._prompt_rows(seq, start, n, row, bs)
+        return step
+
+    def _prompt_rows(self, seq: Sequence, start: int, n: int, row: int, bs: int) -> None:
+        # rows predicting prompt tokens start+1 .. num_prompt_tokens-1
+        end = min(start + n, seq.num_prompt_tokens - 1)
+        if end > start:
+            self.prompt_rows[seq.seq_id] = (start, row, row + end - start)
+        last = min(start + n, seq.num_prompt_tokens)
+        first_boundary = (start // bs + 1) * bs - 1
+        self.boundary_rows[seq.seq_id] = [
+            (p, row + p - start) for p in range(first_boundary, last, bs)
+        ]

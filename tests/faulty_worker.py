@@ -34,11 +34,11 @@ class FaultyEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
-    def add_request(self, request_id: str, prompt: Any, params: Any) -> None:
+    def add_request(self, request_id: str, prompt: Any, params: Any, **options: Any) -> None:
         text = prompt if isinstance(prompt, str) else ""
         if self.faults.refuse_prompt_with and self.faults.refuse_prompt_with in text:
             raise TypeError("TextEncodeInput must be Union[TextInputSequence, Tuple[...]]")
-        self.engine.add_request(request_id, prompt, params)
+        self.engine.add_request(request_id, prompt, params, **options)
         self.prompts[request_id] = text
 
     def abort(self, request_id: str) -> None:

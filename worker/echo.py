@@ -46,7 +46,17 @@ class EchoEngine:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         return "\n".join(f"{m.get('role')}: {m.get('content') or ''}" for m in messages)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: Any) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: Any,
+        *,
+        priority: int = 0,
+        stream: bool = False,
+    ) -> None:
+        """Answers in the next step, whatever the priority; a streamed request gets its one
+        final output."""
         text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
         ids = list(range(len(text.split())))
         out = CompletionOutput(0, text, ids, None, None, "stop")

@@ -32,6 +32,9 @@ class EngineJob:
     # called if the engine refuses the request (a ValueError says the request is bad; any
     # other exception is the engine's) or `on_done` raised
     on_error: Callable[[Exception], None]
+    priority: int = 0  # lower goes first: online requests before batch work
+    # called with the output so far after each step that gives a streamed request a token
+    on_partial: Callable[[Any], None] | None = None
 
     @staticmethod
     def batch_of(request_id: str) -> str:
@@ -88,12 +91,10 @@ class EngineService(threading.Thread):
                     self.wakeup.wait(0.5)
                     self.wakeup.clear()
                     continue
-                finished = self.engine.step()
-                self._record_mix(finished)
-                for output in finished:
-                    job = self.jobs.pop(output.request_id, None)
-                    if job is not None and getattr(output, "finished", True):
-                        self._deliver(job, output)
+                outputs = self.engine.step()
+                self._record_mix(outputs)
+                for output in outputs:
+                    self._deliver(output)
                 self.steps += 1
         except BaseException as err:  # the engine broke: the process must not look healthy
             self.failure = err
@@ -112,7 +113,13 @@ class EngineService(threading.Thread):
             except queue.Empty:
                 return
             try:
-                self.engine.add_request(job.request_id, job.prompt, job.params)
+                self.engine.add_request(
+                    job.request_id,
+                    job.prompt,
+                    job.params,
+                    priority=job.priority,
+                    stream=job.on_partial is not None,
+                )
             except ValueError as err:  # the request is bad (too long, ...): the engine is fine
                 self._refuse(job, err)
                 continue
@@ -129,11 +136,24 @@ class EngineService(threading.Thread):
                 continue
             self.jobs[job.request_id] = job
 
-    def _deliver(self, job: EngineJob, output: Any) -> None:
+    def _deliver(self, output: Any) -> None:
+        finished = getattr(output, "finished", True)
+        job = (
+            self.jobs.pop(output.request_id, None) if finished else self.jobs.get(output.request_id)
+        )
+        if job is None:
+            return
         try:
-            job.on_done(output)
+            if finished:
+                job.on_done(output)
+            elif job.on_partial is not None:
+                job.on_partial(output)
         except Exception as err:
             log.exception("request %s: its result could not be handed on", job.request_id)
+            if not finished:  # it fails now: stop spending the engine on it
+                self.jobs.pop(output.request_id, None)
+                with contextlib.suppress(Exception):
+                    self.engine.abort(output.request_id)
             self._refuse(job, err)
 
     def _refuse(self, job: EngineJob, err: Exception) -> None:

@@ -17,7 +17,7 @@ from collections import Counter
 from functools import partial
 from typing import Any
 
-from sqlalchemy import delete
+from sqlalchemy import update
 
 from conveyor.batch_format.errors import INTERNAL_ERROR, BatchRequestError, classify_engine_error
 from conveyor.batch_format.request_line import (
@@ -33,6 +33,7 @@ from conveyor.batch_format.result_lines import (
 )
 from conveyor.batch_format.token_text import TokenDecoder
 from conveyor.dispatch.celery_app import make_celery
+from conveyor.dispatch.online import bus_for, online_queue
 from conveyor.dispatch.queues import queue_for, worker_queue
 from conveyor.dispatch.reconciler import ReconcilerLoop, reconcile
 from conveyor.engine_request import prepare_request
@@ -51,9 +52,13 @@ from ledger.shard_lifecycle import (
 from ledger.states import BatchStatus
 from worker.engine_service import EngineJob, EngineService
 from worker.metrics import WorkerMetrics
+from worker.online import OnlineServer
 from worker.writer import PendingResults, ResultWriter, WriteItem
 
 log = logging.getLogger(__name__)
+
+# batch work runs behind online requests (priority 0) in the engine
+BATCH_PRIORITY = 1
 
 # the exit status of a worker whose engine failed (sysexits' EX_SOFTWARE): its supervisor
 # restarts it
@@ -94,6 +99,14 @@ class WorkerRuntime:
         )
         self.reconciler = ReconcilerLoop(self.ledger, self.app, settings)
         self.decoder = TokenDecoder(getattr(engine, "tokenizer", None))
+        self.online = OnlineServer(
+            bus_for(settings.broker_url),
+            [online_queue(q) for q in shared],
+            self.service,
+            engine,
+            self.decoder,
+            settings.max_tokens_cap,
+        )
         self.stopped = threading.Event()
         # set by a SIGTERM's deadline: running shards abort what is left and go back to queued
         self.handing_back = threading.Event()
@@ -112,6 +125,8 @@ class WorkerRuntime:
         self._register()
         self.service.start()
         self.writer.start()
+        self.online.bus.consume(self.online.queue_names)
+        self.online.start()
         try:
             reconcile(self.ledger, self.app, self.settings)
         except Exception:
@@ -122,6 +137,7 @@ class WorkerRuntime:
     def stop(self) -> None:
         self.stopped.set()
         self.reconciler.stop()
+        self.online.stop()
         self.service.stop()
         self.writer.stop()
         self.writer.join(timeout=30)
@@ -144,11 +160,15 @@ class WorkerRuntime:
                 )
 
     def _withdraw(self) -> None:
-        """No longer announce this worker: `GET /v1/models` and shard routing drop it."""
+        """No longer announce this worker: `GET /v1/models` and shard routing drop it. Its
+        row stays, marked as not seen, so that its models are known to have been served
+        (an online request for one is a 503 to retry, not a 404)."""
         with self._registration:
             try:
                 with self.ledger.session() as session:
-                    session.execute(delete(WorkerRow).where(WorkerRow.id == self.name))
+                    session.execute(
+                        update(WorkerRow).where(WorkerRow.id == self.name).values(last_seen=0.0)
+                    )
             except Exception:
                 log.warning("could not deregister worker %s", self.name)
 
@@ -264,6 +284,7 @@ class WorkerRuntime:
             params,
             on_done=partial(self._on_done, batch_id, request_id, parsed, claim.model, pending),
             on_error=partial(self._on_refused, batch_id, request_id, parsed, pending),
+            priority=BATCH_PRIORITY,
         )
 
     def _wait_for_results(self, shard_id: int, pending: PendingResults) -> bool:

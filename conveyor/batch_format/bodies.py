@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from conveyor.batch_format.errors import describe
 
@@ -67,6 +67,9 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: Any = None
     skip_special_tokens: bool | None = None
+    # online requests only: a batch line cannot stream
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -152,33 +155,30 @@ class ChatCompletionBody(_SamplingFields):
 
 
 class CompletionBody(_SamplingFields):
-    prompt: Any
+    prompt: Any  # checked into a list of prompts: strings, or lists of token ids
     max_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, value: Any) -> str | list[int]:
+    def _prompt(cls, value: Any) -> list[str] | list[list[int]]:
         if isinstance(value, str):
-            return value
+            return [value]
         if isinstance(value, list):
             if value and all(isinstance(p, str) for p in value):
-                if len(value) == 1:
-                    return value[0]
-                raise ValueError(
-                    f"must be a single prompt, got a list of {len(value)} prompts "
-                    "(write one line per prompt)"
-                )
+                return value
             if value and all(isinstance(p, list) for p in value):
-                if len(value) == 1:
-                    return _check_token_ids(value[0])
-                raise ValueError(
-                    f"must be a single prompt, got a list of {len(value)} token-id prompts "
-                    "(write one line per prompt)"
-                )
-            return _check_token_ids(value, "a string or a list of integer token ids")
-        raise ValueError("must be a string or a list of integer token ids")
+                return [_check_token_ids(p) for p in value]
+            return [_check_token_ids(value, "a string or a list of integer token ids")]
+        raise ValueError(
+            "must be a string, a list of strings, a list of integer token ids or a list of "
+            "such lists"
+        )
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        return self.prompt
 
     def sampling_kwargs(self) -> dict[str, Any]:
         kwargs = self.common_sampling_kwargs()
@@ -190,3 +190,35 @@ class CompletionBody(_SamplingFields):
             if self.echo:
                 kwargs["prompt_logprobs"] = self.logprobs
         return kwargs
+
+
+class TokenizeBody(BaseModel):
+    """`POST /tokenize` (vLLM's): a prompt, or chat messages through the chat template."""
+
+    model_config = _BODY_CONFIG
+
+    model: str | None = None  # may be left out when one model is served
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeBody:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError('give either "prompt" or "messages"')
+        return self
+
+
+class DetokenizeBody(BaseModel):
+    """`POST /detokenize` (vLLM's)."""
+
+    model_config = _BODY_CONFIG
+
+    model: str | None = None
+    tokens: Any
+
+    @field_validator("tokens")
+    @classmethod
+    def _tokens(cls, value: Any) -> list[int]:
+        return _check_token_ids(value)

@@ -42,6 +42,8 @@ TOO_MANY_BATCHES = "too_many_batches"
 IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
 BATCH_NOT_CANCELLABLE = "batch_not_cancellable"
 DATABASE_UNAVAILABLE = "database_unavailable"
+MODEL_UNAVAILABLE = "model_unavailable"  # known, but no live worker serves it
+TIMEOUT = "timeout"  # an online request not answered in time
 
 
 class BatchRequestError(Exception):

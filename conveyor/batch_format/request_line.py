@@ -125,9 +125,68 @@ def parse_request_object(
                 "body.model",
             )
     assert where.custom_id is not None
+    if parsed.stream:
+        where.fail(
+            '"body.stream" cannot be true in a batch: a batch line is answered whole, in the '
+            "output file",
+            param="body.stream",
+        )
     if isinstance(parsed, ChatCompletionBody):
         return _chat_request(parsed, url, where.custom_id, where)
-    return _completion_request(parsed, url, where.custom_id, where)
+    if len(parsed.prompts) > 1:
+        kind = "token-id prompts" if isinstance(parsed.prompts[0], list) else "prompts"
+        where.fail(
+            f'"body.prompt" must be a single prompt, got a list of {len(parsed.prompts)} '
+            f"{kind} (write one line per prompt)",
+            param="body.prompt",
+        )
+    return _completion_request(parsed, parsed.prompts[0], url, where.custom_id, where)
+
+
+@dataclass
+class OnlineRequest:
+    """An online request's body checked: one `ParsedRequest` per prompt (a chat has one; a
+    completion one per prompt of its list, `custom_id` its index there)."""
+
+    model: str
+    requests: list[ParsedRequest]
+    n: int  # samples per prompt
+    stream: bool = False
+    include_usage: bool = False  # stream a last chunk with the usage
+
+
+def parse_online_body(
+    url: str,
+    body: Any,
+    *,
+    served_model_names: Iterable[str] | None = None,
+    max_tokens_cap: int | None = None,
+) -> OnlineRequest:
+    """Check the body of an online request to `url` as a batch line's body is checked.
+    Raises `BatchRequestError`."""
+    where = _Line(None)
+    if not isinstance(body, dict):
+        where.fail(f"the request body must be a JSON object, got {describe(body)}")
+    parsed = _body(body, url, where, None)
+    if served_model_names is not None and parsed.model not in list(served_model_names):
+        where.fail(f"the model {parsed.model!r} does not exist", MODEL_NOT_FOUND, "model")
+    if isinstance(parsed, ChatCompletionBody):
+        requests = [_chat_request(parsed, url, "0", where)]
+    else:
+        requests = [
+            _completion_request(parsed, prompt, url, str(i), where)
+            for i, prompt in enumerate(parsed.prompts)
+        ]
+    for request in requests:
+        apply_max_tokens_cap(request, max_tokens_cap)
+    options = parsed.stream_options or {}
+    return OnlineRequest(
+        model=parsed.model,
+        requests=requests,
+        n=parsed.n or 1,
+        stream=bool(parsed.stream),
+        include_usage=bool(options.get("include_usage")),
+    )
 
 
 def _envelope(obj: Any, where: _Line) -> tuple[str, dict[str, Any]]:
@@ -210,9 +269,9 @@ def _chat_request(
 
 
 def _completion_request(
-    parsed: CompletionBody, url: str, custom_id: str, where: _Line
+    parsed: CompletionBody, prompt: str | list[int], url: str, custom_id: str, where: _Line
 ) -> ParsedRequest:
-    if isinstance(parsed.prompt, list) and not parsed.prompt:
+    if isinstance(prompt, list) and not prompt:
         where.fail('"body.prompt" must not be empty', param="body.prompt")
     if parsed.max_tokens == 0 and not parsed.echo:
         where.fail(
@@ -224,7 +283,7 @@ def _completion_request(
         url=url,
         model=parsed.model,
         sampling=parsed.sampling_kwargs(),
-        prompt=parsed.prompt,
+        prompt=prompt,
         echo=bool(parsed.echo),
         drop_generation=parsed.max_tokens == 0,
         line=where.number,

@@ -199,3 +199,22 @@ def text_completion_body(
         "usage": _usage(output, completion_tokens),
         "system_fingerprint": None,
     }
+
+
+def merged_body(bodies: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """One completion object for a request of several prompts, from one object per prompt:
+    prompt i's sample j is choice i * n + j, and the usage is summed (as OpenAI answers)."""
+    merged = dict(bodies[0])
+    merged["choices"] = [
+        {**choice, "index": i * n + choice["index"]}
+        for i, body in enumerate(bodies)
+        for choice in body["choices"]
+    ]
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    cached = 0
+    for body in bodies:
+        for key in usage:
+            usage[key] += body["usage"][key]
+        cached += body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    merged["usage"] = {**usage, "prompt_tokens_details": {"cached_tokens": cached}}
+    return merged

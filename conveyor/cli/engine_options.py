@@ -12,13 +12,17 @@ from engine.config import EngineConfig
 _ARGPARSE_SETTINGS = ("type", "metavar", "choices")
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Engine options shared by every command that loads a model."""
+def add_engine_arguments(
+    parser: argparse.ArgumentParser, model_help: str | None = None
+) -> list[str]:
+    """Engine options shared by every command that loads a model; returns their dests. With
+    `model_help`, `--model` may be left out (it says what happens then)."""
     g = parser.add_argument_group("engine")
     g.add_argument(
         "--model",
-        required=True,
-        help="model directory or Hugging Face model id (config, safetensors weights, tokenizer)",
+        required=model_help is None,
+        help=model_help
+        or "model directory or Hugging Face model id (config, safetensors weights, tokenizer)",
     )
     g.add_argument(
         "--served-model-name",
@@ -37,6 +41,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         settings = {key: meta[key] for key in _ARGPARSE_SETTINGS if key in meta}
         # no default here: an option not given keeps the engine's (see engine_config)
         g.add_argument("--" + f.name.replace("_", "-"), help=meta["help"], **settings)
+    return [a.dest for a in g._group_actions]  # argparse has no public accessor for them
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

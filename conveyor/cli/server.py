@@ -13,7 +13,6 @@ from conveyor.cli.common import EXIT_OK, EXIT_USAGE, add_url_argument, fail
 from conveyor.cli.engine_options import add_engine_arguments, engine_config
 from conveyor.env_args import apply_env_defaults
 from conveyor.served_names import served_model_names
-from engine.config import EngineConfig
 
 
 def _settings():
@@ -122,13 +121,28 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", help="model of the in-process worker (embedded mode only)")
-    p.add_argument("--served-model-name", nargs="+", metavar="NAME")
-    p.add_argument("--concurrency", type=int, default=8)
+    engine = add_engine_arguments(
+        p,
+        model_help="model of the in-process worker (embedded mode only; default: a tiny demo "
+        "model written on first use, served as `demo`)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=8,
+        help="the in-process worker's shard tasks in flight at once (default 8)",
+    )
     p.add_argument(
         "--no-worker", action="store_true", help="embedded mode without the in-process worker"
     )
     p.set_defaults(func=cmd_serve)
+    p.epilog = (
+        "The engine options (and --concurrency) of the in-process worker can also come from the "
+        "environment, as for `conveyor worker`: --max-num-seqs from CONVEYOR_MAX_NUM_SEQS, and "
+        "so on (the command line wins)."
+    )
+    if errors := apply_env_defaults(p, [*engine, "concurrency"]):
+        p.set_defaults(func=lambda _: fail("serve", "; ".join(errors), EXIT_USAGE))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -156,7 +170,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"serving model {names[0]!r}",
         file=sys.stderr,
     )
-    runtime = start_runtime(settings, model, names, EngineConfig())
+    try:
+        runtime = start_runtime(settings, model, names, engine_config(args))
+    except Exception as err:
+        return fail("serve", f"cannot start the worker: {type(err).__name__}: {err}")
     thread = threading.Thread(target=server.run, name="conveyor-api", daemon=True)
     thread.start()
     try:

@@ -1,0 +1,217 @@
+"""OpenAI's online endpoints, `POST /v1/completions` and `POST /v1/chat/completions` (and
+streamed, `stream: true`), and vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`: answered
+by the workers that run batches, in the same continuous batches and ahead of them.
+
+Bodies are checked as batch lines' bodies are (`conveyor.batch_format`), and answered with the
+same response objects. An unknown model is a 404 `model_not_found` at once, a model no live
+worker serves a 503, and an answer that does not come within `CONVEYOR_ONLINE_TIMEOUT` a 504.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from sqlalchemy import select
+from starlette.responses import Response
+
+from api import schemas
+from api.deps import AppState, ProjectDep, StateDep
+from api.errors import APIError
+from api.guard import KeyedRoute
+from conveyor.batch_format.bodies import CHAT_URL, COMPLETIONS_URL, DetokenizeBody, TokenizeBody
+from conveyor.batch_format.errors import (
+    INVALID_REQUEST,
+    MODEL_NOT_FOUND,
+    MODEL_UNAVAILABLE,
+    TIMEOUT,
+    BatchRequestError,
+)
+from conveyor.batch_format.request_line import parse_online_body
+from conveyor.dispatch.online import AnswerTimeout, OnlineMessage, online_queue
+from conveyor.dispatch.queues import queue_for
+from ledger.models import WorkerRow
+
+ONLINE_ERRORS = schemas.error_responses(404, 413, 422, 503, 504)
+ANSWERS = {
+    200: {
+        "description": "the completion object, or with `stream: true` its chunks as server-sent "
+        "events ending with `data: [DONE]`",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    },
+    **ONLINE_ERRORS,
+}
+
+router = APIRouter(
+    prefix="/v1", tags=["online"], responses=schemas.V1_ERRORS, route_class=KeyedRoute
+)
+tokenizer = APIRouter(tags=["online"], responses=schemas.V1_ERRORS, route_class=KeyedRoute)
+
+Json = Annotated[dict[str, Any], Body(description="as OpenAI's API takes it")]
+
+
+@router.post("/completions", response_model=None, responses=ANSWERS)
+async def completions(body: Json, state: StateDep, project: ProjectDep) -> Response:
+    return await _complete(state, project, "completion", body)
+
+
+@router.post("/chat/completions", response_model=None, responses=ANSWERS)
+async def chat_completions(body: Json, state: StateDep, project: ProjectDep) -> Response:
+    return await _complete(state, project, "chat", body)
+
+
+@tokenizer.post("/tokenize", response_model=None, responses=ONLINE_ERRORS)
+async def tokenize(body: Json, state: StateDep, project: ProjectDep) -> Response:
+    """vLLM's: `{prompt}` or `{messages}` (and `model` when several are served) to
+    `{count, max_model_len, tokens}`."""
+    model = _checked(TokenizeBody, body).model
+    return await _ask(state, project, "tokenize", body, model)
+
+
+@tokenizer.post("/detokenize", response_model=None, responses=ONLINE_ERRORS)
+async def detokenize(body: Json, state: StateDep, project: ProjectDep) -> Response:
+    """vLLM's: `{tokens}` (and `model` when several are served) to `{prompt}`."""
+    model = _checked(DetokenizeBody, body).model
+    return await _ask(state, project, "detokenize", body, model)
+
+
+@tokenizer.get("/tokenizer_info", response_model=None, responses=ONLINE_ERRORS)
+async def tokenizer_info(state: StateDep, project: ProjectDep, model: str | None = None):
+    """vLLM's: the served tokenizer's special tokens and chat template."""
+    return await _ask(state, project, "tokenizer_info", {"model": model}, model)
+
+
+async def _complete(state: AppState, project: str, kind: str, body: dict[str, Any]) -> Response:
+    url = CHAT_URL if kind == "chat" else COMPLETIONS_URL
+    try:
+        online = parse_online_body(url, body, max_tokens_cap=state.settings.max_tokens_cap or None)
+    except BatchRequestError as err:
+        raise _online_error(err) from None
+    queue = await _queue_of(state, online.model)
+    message = _send(state, queue, kind, body, project)
+    if online.stream:
+        return StreamingResponse(_events(state, message), media_type="text/event-stream")
+    return await _one_answer(state, message)
+
+
+async def _ask(
+    state: AppState, project: str, kind: str, body: dict[str, Any], model: str | None
+) -> Response:
+    queue = await _queue_of(state, model)
+    return await _one_answer(state, _send(state, queue, kind, body, project))
+
+
+def _send(
+    state: AppState, queue: str, kind: str, body: dict[str, Any], project: str
+) -> OnlineMessage:
+    deadline = time.time() + state.settings.online_timeout
+    message = OnlineMessage(kind, body, deadline, project)
+    state.online.send(queue, message)
+    return message
+
+
+async def _one_answer(state: AppState, message: OnlineMessage) -> Response:
+    try:
+        async for answer in state.online.answers(message):
+            if answer.get("last"):
+                return JSONResponse(answer["body"], status_code=answer["status"])
+    except AnswerTimeout:
+        raise _timeout(state) from None
+    raise APIError(502, "the worker's answer ended early", type="server_error")
+
+
+async def _events(state: AppState, message: OnlineMessage) -> AsyncIterator[bytes]:
+    """The answer's chunks as server-sent events; an error after the stream began is one
+    more event holding it."""
+    try:
+        async for answer in state.online.answers(message):
+            for chunk in answer.get("chunks", ()):
+                yield _event(chunk)
+            if answer.get("status", 200) >= 400:
+                yield _event(answer["body"])
+    except AnswerTimeout:
+        yield _event(_timeout(state).body)
+    yield b"data: [DONE]\n\n"
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(data)}\n\n".encode()
+
+
+async def _queue_of(state: AppState, model: str | None) -> str:
+    """The online queue of `model` (of the one model served, when None); 404 for a model no
+    worker serves or served, 503 for one whose workers are all gone."""
+    live, known = await run_in_threadpool(_served_models, state)
+    if model is None:
+        if len(live) != 1:
+            raise APIError(
+                400,
+                f"say which model: {len(live)} are served ({', '.join(sorted(live)) or 'none'})",
+                code=INVALID_REQUEST,
+                param="model",
+            )
+        model = next(iter(live))
+    queue = online_queue(queue_for(model))
+    in_process = state.online.has_consumer(queue)  # None: the bus reaches other processes
+    if model in live and in_process is not False:
+        return queue
+    if model not in live and model not in known and not in_process:
+        raise APIError(404, f"the model {model!r} does not exist", code=MODEL_NOT_FOUND)
+    why = (
+        "no live worker serves it now; retry when one is up"
+        if model not in live
+        else "its workers run in other processes, and online requests reach them only through "
+        "Redis (set REDIS_URL)"
+    )
+    raise APIError(
+        503,
+        f"the model {model!r} cannot be served: {why}",
+        code=MODEL_UNAVAILABLE,
+        type="server_error",
+        headers={"Retry-After": "5"},
+    )
+
+
+def _served_models(state: AppState) -> tuple[set[str], set[str]]:
+    """(models of live workers, models of workers that went silent)."""
+    cutoff = time.time() - state.settings.heartbeat_timeout
+    live: set[str] = set()
+    known: set[str] = set()
+    with state.ledger.reads() as session:
+        for models, last_seen in session.execute(select(WorkerRow.models, WorkerRow.last_seen)):
+            (live if last_seen >= cutoff else known).update(models)
+    return live, known
+
+
+def _checked(model_cls: type[TokenizeBody] | type[DetokenizeBody], body: dict[str, Any]):
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as err:
+        first = err.errors(include_url=False)[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        raise APIError(
+            400, first.get("msg", "invalid body"), code=INVALID_REQUEST, param=param
+        ) from None
+
+
+def _online_error(err: BatchRequestError) -> APIError:
+    """A body's error, named as an online client names its fields (`temperature`, not
+    `body.temperature`)."""
+    param = err.param.removeprefix("body.") if err.param else None
+    message = err.detail.replace('"body.', '"')
+    return APIError(err.status_code, message, code=err.code, param=param)
+
+
+def _timeout(state: AppState) -> APIError:
+    return APIError(
+        504,
+        f"no answer within {state.settings.online_timeout:.0f}s (CONVEYOR_ONLINE_TIMEOUT)",
+        code=TIMEOUT,
+        type="server_error",
+    )

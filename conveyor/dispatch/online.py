@@ -1,0 +1,197 @@
+"""How online requests (`POST /v1/completions` and the like, answered while the client waits)
+reach a worker and come back: through Redis lists, or, when the worker runs in the API's own
+process (the embedded `conveyor serve`), through in-process queues.
+
+A request is one JSON message on its model's online list; a worker takes it, runs it at the
+front of its engine's queue, and pushes its answer (one message, or a stream of chunk messages
+and a last one) onto a list of the request's own, which expires if nobody reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import anyio
+import redis
+import redis.asyncio
+
+from conveyor.dispatch.queues import is_redis_url
+
+ONLINE_PREFIX = "conveyor.online."
+REPLY_PREFIX = "conveyor.online.reply."
+REPLY_TTL = 900  # seconds an answer waits for its reader
+
+
+def online_queue(model_queue: str) -> str:
+    """The list of a model's online requests (from its shard queue's name)."""
+    return ONLINE_PREFIX + model_queue
+
+
+@dataclass
+class OnlineMessage:
+    """An online request as it travels: `kind` is completion, chat, tokenize, detokenize or
+    tokenizer_info; `body` the client's JSON body; `deadline` the time past which nobody waits
+    for the answer any more."""
+
+    kind: str
+    body: dict[str, Any]
+    deadline: float
+    project: str = ""
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def dumps(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @classmethod
+    def loads(cls, text: str | bytes) -> OnlineMessage:
+        return cls(**json.loads(text))
+
+
+class OnlineBus(Protocol):
+    def send(self, queue_name: str, message: OnlineMessage) -> None: ...
+
+    def answers(self, message: OnlineMessage) -> AsyncIterator[dict[str, Any]]: ...
+
+    def take(self, queue_names: list[str], timeout: float) -> OnlineMessage | None: ...
+
+    def answer(self, request_id: str, answer: dict[str, Any]) -> None: ...
+
+    def has_consumer(self, queue_name: str) -> bool | None: ...
+
+    def consume(self, queue_names: Iterable[str]) -> None: ...
+
+
+class AnswerTimeout(Exception):
+    """No answer came before the request's deadline."""
+
+
+class RedisBus:
+    """The bus between processes: Redis lists."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.client = redis.Redis.from_url(url)
+        self._async: redis.asyncio.Redis | None = None
+
+    def send(self, queue_name: str, message: OnlineMessage) -> None:
+        self.client.lpush(queue_name, message.dumps())
+
+    async def answers(self, message: OnlineMessage) -> AsyncIterator[dict[str, Any]]:
+        if self._async is None:
+            self._async = redis.asyncio.Redis.from_url(self.url)
+        key = REPLY_PREFIX + message.request_id
+        try:
+            while True:
+                left = message.deadline - time.time()
+                if left <= 0:
+                    raise AnswerTimeout
+                got = await self._async.blpop([key], timeout=min(left, 30))
+                if got is None:
+                    continue
+                answer = json.loads(got[1])
+                yield answer
+                if answer.get("last"):
+                    return
+        finally:
+            await self._async.delete(key)
+
+    def take(self, queue_names: list[str], timeout: float) -> OnlineMessage | None:
+        got = self.client.brpop(queue_names, timeout=max(1, int(timeout)))
+        return None if got is None else OnlineMessage.loads(got[1])
+
+    def answer(self, request_id: str, answer: dict[str, Any]) -> None:
+        key = REPLY_PREFIX + request_id
+        with self.client.pipeline() as pipe:
+            pipe.rpush(key, json.dumps(answer))
+            pipe.expire(key, REPLY_TTL)
+            pipe.execute()
+
+    def has_consumer(self, queue_name: str) -> bool | None:
+        return None  # the workers table says who serves what
+
+    def consume(self, queue_names: Iterable[str]) -> None:
+        """Nothing to say: a worker takes from Redis lists by name."""
+
+
+class LocalBus:
+    """The bus inside one process: for the embedded service, whose worker runs in the API's
+    process and whose broker is no Redis."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests: dict[str, queue.Queue[OnlineMessage]] = {}
+        self.replies: dict[str, queue.Queue[dict[str, Any]]] = {}
+        self.consumers: dict[str, int] = {}
+
+    def _queue(self, name: str) -> queue.Queue[OnlineMessage]:
+        with self.lock:
+            return self.requests.setdefault(name, queue.Queue())
+
+    def _reply_queue(self, request_id: str) -> queue.Queue[dict[str, Any]]:
+        with self.lock:
+            return self.replies.setdefault(request_id, queue.Queue())
+
+    def consume(self, queue_names: Iterable[str]) -> None:
+        """A worker of this process takes from these queues."""
+        with self.lock:
+            for name in queue_names:
+                self.consumers[name] = self.consumers.get(name, 0) + 1
+
+    def send(self, queue_name: str, message: OnlineMessage) -> None:
+        self._reply_queue(message.request_id)
+        self._queue(queue_name).put(message)
+
+    async def answers(self, message: OnlineMessage) -> AsyncIterator[dict[str, Any]]:
+        replies = self._reply_queue(message.request_id)
+        try:
+            while True:
+                left = message.deadline - time.time()
+                if left <= 0:
+                    raise AnswerTimeout
+                try:
+                    answer = await anyio.to_thread.run_sync(replies.get, True, min(left, 1.0))
+                except queue.Empty:
+                    continue
+                yield answer
+                if answer.get("last"):
+                    return
+        finally:
+            with self.lock:
+                self.replies.pop(message.request_id, None)
+
+    def take(self, queue_names: list[str], timeout: float) -> OnlineMessage | None:
+        deadline = time.monotonic() + timeout
+        while True:
+            for name in queue_names:
+                try:
+                    return self._queue(name).get_nowait()
+                except queue.Empty:
+                    pass
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
+
+    def answer(self, request_id: str, answer: dict[str, Any]) -> None:
+        with self.lock:
+            replies = self.replies.get(request_id)
+        if replies is not None:  # else nobody waits for it any more
+            replies.put(answer)
+
+    def has_consumer(self, queue_name: str) -> bool | None:
+        with self.lock:
+            return self.consumers.get(queue_name, 0) > 0
+
+
+_local = LocalBus()
+
+
+def bus_for(broker_url: str) -> OnlineBus:
+    """Redis's lists when the broker is Redis; else the in-process bus."""
+    return RedisBus(broker_url) if is_redis_url(broker_url) else _local

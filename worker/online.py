@@ -1,0 +1,253 @@
+"""A worker's online requests: taken from its models' online lists, run at the front of its
+engine's queue (ahead of batch work), answered through the bus while the client waits.
+
+Completions and chat completions are checked and answered with the batch lines' own code
+(`conveyor.batch_format`): the same bodies, the same response objects. Tokenizing answers
+at once from this thread. Answers go out from a thread of their own, so the engine's loop never
+waits on the bus.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from conveyor.batch_format.bodies import CHAT_URL, COMPLETIONS_URL, DetokenizeBody, TokenizeBody
+from conveyor.batch_format.errors import INTERNAL_ERROR, INVALID_REQUEST, BatchRequestError
+from conveyor.batch_format.request_line import OnlineRequest, parse_online_body
+from conveyor.batch_format.responses import (
+    chat_completion_body,
+    merged_body,
+    text_completion_body,
+)
+from conveyor.batch_format.streaming import ChunkStream
+from conveyor.batch_format.token_text import TokenDecoder
+from conveyor.dispatch.online import OnlineBus, OnlineMessage
+from conveyor.engine_request import prepare_request
+from worker.engine_service import EngineJob, EngineService
+
+log = logging.getLogger(__name__)
+
+ONLINE_PRIORITY = 0  # ahead of batch work
+URLS = {"completion": COMPLETIONS_URL, "chat": CHAT_URL}
+
+
+@dataclass
+class _Call:
+    """One online request in the engine: the outputs of its prompts as they finish."""
+
+    message: OnlineMessage
+    online: OnlineRequest
+    model: str
+    stream: ChunkStream | None
+    outputs: dict[int, Any] = field(default_factory=dict)
+    engine_ids: list[str] = field(default_factory=list)
+    over: bool = False
+
+
+class OnlineServer(threading.Thread):
+    def __init__(
+        self,
+        bus: OnlineBus,
+        queue_names: list[str],
+        service: EngineService,
+        engine: Any,
+        decoder: TokenDecoder,
+        max_tokens_cap: int | None,
+    ) -> None:
+        super().__init__(name="conveyor-online", daemon=True)
+        self.bus, self.queue_names = bus, queue_names
+        self.service, self.engine, self.decoder = service, engine, decoder
+        self.max_tokens_cap = max_tokens_cap
+        self.stopped = threading.Event()
+        self.calls: dict[str, _Call] = {}  # request id -> call in the engine
+        self.lock = threading.Lock()
+        self.outbox: queue.SimpleQueue[tuple[str, dict[str, Any]]] = queue.SimpleQueue()
+        self.sender = threading.Thread(target=self._send, name="conveyor-online-answers")
+        self.sender.daemon = True
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def run(self) -> None:
+        self.sender.start()
+        while not self.stopped.is_set():
+            try:
+                message = self.bus.take(self.queue_names, timeout=1.0)
+            except Exception:  # the bus is away: try again in a moment
+                log.warning("could not take online requests; retrying", exc_info=True)
+                self.stopped.wait(1.0)
+                continue
+            if message is not None:
+                self._handle(message)
+            self._abort_overdue()
+
+    # ---- requests --------------------------------------------------------------------------
+    def _handle(self, message: OnlineMessage) -> None:
+        if message.deadline <= time.time():
+            return  # nobody waits for it any more
+        try:
+            if message.kind in URLS:
+                self._start(message)
+            else:
+                self._answer(message, self._tokenizer_answer(message))
+        except BatchRequestError as err:
+            self._answer(message, error_answer(err.status_code, err.detail, err.code, err.param))
+        except Exception as err:
+            log.exception("online request %s failed", message.request_id)
+            self._answer(message, error_answer(500, f"{type(err).__name__}: {err}", INTERNAL_ERROR))
+
+    def _start(self, message: OnlineMessage) -> None:
+        online = parse_online_body(
+            URLS[message.kind], message.body, max_tokens_cap=self.max_tokens_cap or None
+        )
+        chat = message.kind == "chat"
+        stream = None
+        if online.stream:
+            stream = ChunkStream(online.requests, online.n, online.model, self.decoder, chat)
+        call = _Call(message, online, online.model, stream)
+        jobs = []
+        for i, request in enumerate(online.requests):
+            prompt, params = prepare_request(self.engine, request)
+            engine_id = f"online:{message.request_id}:{i}"
+            call.engine_ids.append(engine_id)
+            jobs.append(
+                EngineJob(
+                    engine_id,
+                    prompt,
+                    params,
+                    on_done=partial(self._on_output, call, i),
+                    on_error=partial(self._on_error, call),
+                    priority=ONLINE_PRIORITY,
+                    on_partial=partial(self._on_output, call, i) if stream else None,
+                )
+            )
+        with self.lock:
+            self.calls[message.request_id] = call
+        self.service.submit(jobs)
+
+    def _tokenizer_answer(self, message: OnlineMessage) -> dict[str, Any]:
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        if tokenizer is None or not hasattr(tokenizer, "encode"):
+            raise BatchRequestError("this model has no tokenizer", code=INVALID_REQUEST)
+        if message.kind == "tokenizer_info":
+            return {"status": 200, "body": tokenizer_info(tokenizer, self.engine)}
+        if message.kind == "detokenize":
+            body = DetokenizeBody.model_validate(message.body)
+            return {"status": 200, "body": {"prompt": tokenizer.decode(body.tokens)}}
+        body = TokenizeBody.model_validate(message.body)
+        if body.messages is not None:
+            text = tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content or ""} for m in body.messages],
+                add_generation_prompt=body.add_generation_prompt is not False,
+                tokenize=False,
+            )
+            special = bool(body.add_special_tokens)
+        else:
+            text = body.prompt or ""
+            special = body.add_special_tokens is not False
+        tokens = list(tokenizer(text, add_special_tokens=special).input_ids)
+        limit = getattr(self.engine, "max_model_len", None)
+        return {
+            "status": 200,
+            "body": {"count": len(tokens), "max_model_len": limit, "tokens": tokens},
+        }
+
+    # ---- outputs (called from the engine's thread) -----------------------------------------
+    def _on_output(self, call: _Call, prompt: int, output: Any) -> None:
+        if call.over:
+            return
+        if getattr(output, "error", None):
+            self._finish(call, error_answer(500, f"the engine failed: {output.error}"))
+            return
+        finished = getattr(output, "finished", True)
+        if finished:
+            call.outputs[prompt] = output
+        if call.stream is not None:
+            chunks = call.stream.chunks(prompt, output)
+            if len(call.outputs) < len(call.online.requests):
+                self._answer(call.message, {"chunks": chunks})
+                return
+            if call.online.include_usage:
+                chunks.append(call.stream.usage_chunk(self._body(call)["usage"]))
+            self._finish(call, {"status": 200, "chunks": chunks})
+        elif len(call.outputs) == len(call.online.requests):
+            self._finish(call, {"status": 200, "body": self._body(call)})
+
+    def _body(self, call: _Call) -> dict[str, Any]:
+        build = chat_completion_body if call.message.kind == "chat" else text_completion_body
+        bodies = [
+            build(request, call.outputs[i], call.model, self.decoder)
+            for i, request in enumerate(call.online.requests)
+        ]
+        return merged_body(bodies, call.online.n)
+
+    def _on_error(self, call: _Call, err: Exception) -> None:
+        if isinstance(err, ValueError):  # the engine's word that the request is bad
+            self._finish(call, error_answer(400, str(err), INVALID_REQUEST, "prompt"))
+        else:
+            self._finish(call, error_answer(500, f"{type(err).__name__}: {err}", INTERNAL_ERROR))
+
+    def _finish(self, call: _Call, answer: dict[str, Any]) -> None:
+        call.over = True
+        with self.lock:
+            self.calls.pop(call.message.request_id, None)
+        unfinished = [
+            engine_id for i, engine_id in enumerate(call.engine_ids) if i not in call.outputs
+        ]
+        if unfinished:
+            self.service.abort(unfinished)
+        self._answer(call.message, answer)
+
+    def _abort_overdue(self) -> None:
+        now = time.time()
+        with self.lock:
+            overdue = [c for c in self.calls.values() if c.message.deadline <= now]
+        for call in overdue:
+            log.warning("online request %s ran past its deadline", call.message.request_id)
+            call.over = True
+            with self.lock:
+                self.calls.pop(call.message.request_id, None)
+            self.service.abort(call.engine_ids)
+
+    # ---- answers ---------------------------------------------------------------------------
+    def _answer(self, message: OnlineMessage, answer: dict[str, Any]) -> None:
+        answer.setdefault("last", "chunks" not in answer or "status" in answer)
+        self.outbox.put((message.request_id, answer))
+
+    def _send(self) -> None:
+        while True:
+            request_id, answer = self.outbox.get()
+            try:
+                self.bus.answer(request_id, answer)
+            except Exception:
+                log.warning("could not answer online request %s", request_id, exc_info=True)
+
+
+def error_answer(
+    status: int, message: str, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    """An answer in OpenAI's error shape, with the HTTP status it stands for."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {
+        "status": status,
+        "body": {"error": {"message": message, "type": kind, "param": param, "code": code}},
+    }
+
+
+def tokenizer_info(tokenizer: Any, engine: Any) -> dict[str, Any]:
+    """What vLLM's `GET /tokenizer_info` tells of a tokenizer (lm-eval's remote tokenizer reads
+    its special tokens and chat template)."""
+    return {
+        "tokenizer_class": type(tokenizer).__name__,
+        "eos_token": getattr(tokenizer, "eos_token", None),
+        "bos_token": getattr(tokenizer, "bos_token", None),
+        "pad_token": getattr(tokenizer, "pad_token", None),
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "model_max_length": getattr(engine, "max_model_len", None),
+    }
