@@ -7,12 +7,10 @@ import contextlib
 import json
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from conveyor.batch_format.errors import IDEMPOTENCY_KEY_REUSED
 from conveyor.cli.common import (
     EXIT_BATCH_CANCELLED,
     EXIT_BATCH_EXPIRED,
@@ -24,7 +22,7 @@ from conveyor.cli.common import (
     add_url_argument,
     fail,
 )
-from ledger.states import TERMINAL, BatchStatus
+from ledger.states import BatchStatus
 
 
 def add_submit(sub: argparse._SubParsersAction) -> None:
@@ -158,31 +156,15 @@ def _new_batch(
     client: Any, args: argparse.Namespace, path: Path, endpoint: str, metadata: dict[str, str]
 ) -> dict:
     """The batch made earlier with --idempotency-key, else a new one of the uploaded `path`."""
-    from conveyor.client import APIError
-
-    if args.idempotency_key:
-        batch = client.batch_for_key(args.idempotency_key)
-        if batch is not None:
-            print(
-                f"reusing batch {batch['id']} ({batch['status']}), created with "
-                f"idempotency key {args.idempotency_key!r}",
-                file=sys.stderr,
-            )
-            return batch
-    file = client.upload(path)
-    try:
-        batch = client.create_batch(
-            file["id"], endpoint, args.completion_window, metadata or None, args.idempotency_key
+    batch, reused = client.find_or_create_batch(
+        path, endpoint, args.completion_window, metadata or None, args.idempotency_key
+    )
+    if reused:
+        print(
+            f"reusing batch {batch['id']} ({batch['status']}), created with "
+            f"idempotency key {args.idempotency_key!r}",
+            file=sys.stderr,
         )
-    except APIError as err:
-        # a concurrent submit with the key won, with its own upload of the file
-        if err.code != IDEMPOTENCY_KEY_REUSED:
-            raise
-        batch = client.batch_for_key(args.idempotency_key)
-        if batch is None:
-            raise
-    if batch["input_file_id"] != file["id"]:
-        client.delete_file(file["id"])
     return batch
 
 
@@ -197,41 +179,8 @@ def _report_failed(batch: dict) -> int:
     return EXIT_BATCH_FAILED
 
 
-API_OUTAGE_TOLERANCE = 300.0  # seconds a waiting submit rides out an unreachable API
-
-
-def _poll(client, batch_id: str, bar) -> dict:
-    """The batch, retrying while the API is unreachable or restarting (up to 5 minutes)."""
-    import httpx
-
-    from conveyor.client import APIError
-
-    deadline = time.monotonic() + API_OUTAGE_TOLERANCE
-    while True:
-        try:
-            return client.batch(batch_id)
-        except (httpx.TransportError, APIError) as err:
-            if isinstance(err, APIError) and err.status < 500:
-                raise
-            if time.monotonic() > deadline:
-                raise
-            bar.write(f"the API is unavailable ({err}); retrying")
-            time.sleep(2.0)
-
-
 def wait_and_download(client, batch_id: str, args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
-
-    batch = client.batch(batch_id)
-    with tqdm(total=batch["request_counts"]["total"], desc=batch_id, unit="req") as bar:
-        while batch["status"] not in TERMINAL:
-            time.sleep(args.poll)
-            batch = _poll(client, batch_id, bar)
-            counts = batch["request_counts"]
-            bar.total = counts["total"]
-            bar.n = counts["completed"] + counts["failed"]
-            bar.set_postfix(status=batch["status"], failed=counts["failed"])
-            bar.refresh()
+    (batch,) = client.wait([batch_id], args.poll, desc=batch_id)
     if batch["status"] == BatchStatus.FAILED:
         return _report_failed(batch)
     if args.output and batch.get("output_file_id"):
