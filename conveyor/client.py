@@ -70,6 +70,10 @@ class ConveyorClient:
                 )
             time.sleep(0.5)
 
+    def models(self) -> list[str]:
+        """The names of the models live workers serve."""
+        return [m["id"] for m in self._check(self.http.get("/v1/models")).json()["data"]]
+
     def upload(self, path: Path) -> dict[str, Any]:
         with open(path, "rb") as f:
             files = {"file": (path.name, f, "application/jsonl")}
