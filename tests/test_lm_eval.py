@@ -439,3 +439,51 @@ def test_a_cancelled_or_expired_batch_is_submitted_again_under_the_next_key(
     # the same requests again: the same batches, nothing new
     assert lm.generate_until(requests) == texts
     assert list(service.by_key) == keys
+
+
+class RecordingCache:
+    """lm-eval's cache hook (`--use_cache`), recording what it is handed."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def add_partial(self, attr: str, req: tuple, res: object) -> None:
+        self.calls.append((attr, req, res))
+
+
+def scored(custom_id: str, body: dict) -> dict:
+    """An echoed completion in which every prompt token after the first has logprob -1 (and is
+    the greedy one), then one generated token."""
+    n = len(body["prompt"])
+    logprobs = {
+        "token_logprobs": [None] + [-1.0] * (n - 1) + [-0.5],
+        "top_logprobs": [None] + [{"t": -1.0}] * (n - 1) + [{"t": -0.5}],
+    }
+    choice = {"index": 0, "text": "", "logprobs": logprobs, "finish_reason": "length"}
+    response = {"status_code": 200, "body": {"choices": [choice]}}
+    return {"custom_id": custom_id, "response": response, "error": None}
+
+
+def test_results_reach_lm_eval_and_its_cache_hook(chat_model: Path) -> None:
+    from lm_eval.api.instance import Instance
+
+    service = FakeService(scored)
+    lm = conveyor_lm(chat_model, service, max_length=8)  # windows of 6 tokens
+    lm.cache_hook = RecordingCache()
+    pair = ("The quick brown fox", " jumps over")
+    (answer,) = lm.loglikelihood([Instance("loglikelihood", {}, pair, idx=0)])
+    assert answer == (-1.0 * len(lm.tok_encode(" jumps over")), True)
+
+    text = "Write a short poem about the sea, then translate it into German."
+    (total,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), idx=0)])
+    tokens = len(lm.tok_encode(text))
+    assert total == -1.0 * tokens  # every token scored once, over several windows
+    rolling = [b for k, b in service.by_key.items() if ":loglikelihood_rolling:" in k]
+    assert len(rolling) == 1 and rolling[0]["lines"] == -(-tokens // 6)  # one batch of windows
+
+    (generated,) = lm.generate_until(generation_requests("Q: hello"))
+    assert lm.cache_hook.calls == [
+        ("loglikelihood", pair, answer),
+        ("loglikelihood_rolling", (text,), total),
+        ("generate_until", ("Q: hello", {"until": ["\n"], "max_gen_toks": 4}), generated),
+    ]
