@@ -1,17 +1,23 @@
-"""A small client of the Conveyor REST API (httpx), used by `conveyor submit/status/...`."""
+"""A small client of the Conveyor REST API (httpx), used by `conveyor submit/status/...` and by
+`conveyor eval`'s lm-eval model: upload a file, create a batch (or find the one made earlier with
+an idempotency key), wait for batches with a progress bar, download their files."""
 
 from __future__ import annotations
 
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from conveyor.batch_format.errors import IDEMPOTENCY_KEY_REUSED
+from ledger.states import TERMINAL
+
 DEFAULT_URL = "http://127.0.0.1:8000"
+API_OUTAGE_TOLERANCE = 300.0  # seconds a waiting client rides out an unreachable API
 
 
 class APIError(Exception):
@@ -64,6 +70,10 @@ class ConveyorClient:
                 )
             time.sleep(0.5)
 
+    def models(self) -> list[str]:
+        """The names of the models live workers serve."""
+        return [m["id"] for m in self._check(self.http.get("/v1/models")).json()["data"]]
+
     def upload(self, path: Path) -> dict[str, Any]:
         with open(path, "rb") as f:
             files = {"file": (path.name, f, "application/jsonl")}
@@ -94,11 +104,89 @@ class ConveyorClient:
         data = self._check(self.http.get("/v1/batches", params=params)).json()["data"]
         return data[0] if data else None
 
+    def find_or_create_batch(
+        self,
+        path: Path,
+        endpoint: str,
+        window: str = "24h",
+        metadata: dict[str, str] | None = None,
+        idempotency_key: str | None = None,
+    ) -> tuple[dict[str, Any], bool]:
+        """The batch made earlier with `idempotency_key` and True, else a new batch of the
+        uploaded `path` and False. When a concurrent create with the key wins, its batch is
+        returned (and True) and the upload made here is deleted."""
+        if idempotency_key:
+            batch = self.batch_for_key(idempotency_key)
+            if batch is not None:
+                return batch, True
+        file = self.upload(path)
+        try:
+            batch = self.create_batch(file["id"], endpoint, window, metadata, idempotency_key)
+        except APIError as err:
+            if err.code != IDEMPOTENCY_KEY_REUSED or not idempotency_key:
+                raise
+            batch = self.batch_for_key(idempotency_key)
+            if batch is None:
+                raise
+        reused = batch["input_file_id"] != file["id"]
+        if reused:
+            self.delete_file(file["id"])
+        return batch, reused
+
     def delete_file(self, file_id: str) -> None:
         self._check(self.http.delete(f"/v1/files/{file_id}"))
 
     def batch(self, batch_id: str) -> dict[str, Any]:
         return self._check(self.http.get(f"/v1/batches/{batch_id}")).json()
+
+    def poll(
+        self, batch_id: str, on_outage: Callable[[Exception], None] | None = None
+    ) -> dict[str, Any]:
+        """The batch, retrying while the API is unreachable or answers 5xx (restarting), for up
+        to API_OUTAGE_TOLERANCE seconds; `on_outage` hears of each failed try."""
+        deadline = time.monotonic() + API_OUTAGE_TOLERANCE
+        while True:
+            try:
+                return self.batch(batch_id)
+            except (httpx.TransportError, APIError) as err:
+                if isinstance(err, APIError) and err.status < 500:
+                    raise
+                if time.monotonic() > deadline:
+                    raise
+                if on_outage is not None:
+                    on_outage(err)
+                time.sleep(2.0)
+
+    def wait(
+        self, batch_ids: Sequence[str], poll: float = 1.0, desc: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The batches once each has ended (completed, failed, expired or cancelled), showing
+        their finished requests of their total on one progress bar."""
+        from tqdm.auto import tqdm
+
+        batches = [self.batch(batch_id) for batch_id in batch_ids]
+        total = sum(b["request_counts"]["total"] for b in batches)
+        with tqdm(total=total, desc=desc or ", ".join(batch_ids), unit="req") as bar:
+
+            def show() -> None:
+                counts = [b["request_counts"] for b in batches]
+                bar.total = sum(c["total"] for c in counts)
+                bar.n = sum(c["completed"] + c["failed"] for c in counts)
+                status = ",".join(sorted({b["status"] for b in batches}))
+                bar.set_postfix(status=status, failed=sum(c["failed"] for c in counts))
+                bar.refresh()
+
+            def outage(err: Exception) -> None:
+                bar.write(f"the API is unavailable ({err}); retrying")
+
+            show()
+            while any(b["status"] not in TERMINAL for b in batches):
+                time.sleep(poll)
+                batches = [
+                    b if b["status"] in TERMINAL else self.poll(b["id"], outage) for b in batches
+                ]
+                show()
+        return batches
 
     def cancel(self, batch_id: str) -> dict[str, Any]:
         return self._check(self.http.post(f"/v1/batches/{batch_id}/cancel")).json()

@@ -27,6 +27,7 @@ SUBCOMMANDS = [
     client.add_status,
     client.add_results,
     client.add_cancel,
+    client.add_eval,
     server.add_ready,
     server.add_keys,
 ]

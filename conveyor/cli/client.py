@@ -7,24 +7,24 @@ import contextlib
 import json
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from conveyor.batch_format.errors import IDEMPOTENCY_KEY_REUSED
 from conveyor.cli.common import (
     EXIT_BATCH_CANCELLED,
     EXIT_BATCH_EXPIRED,
     EXIT_BATCH_FAILED,
     EXIT_ERROR,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_TOO_MANY_FAILED,
     EXIT_USAGE,
+    PROG,
     add_url_argument,
     fail,
 )
-from ledger.states import TERMINAL, BatchStatus
+from ledger.states import BatchStatus
 
 
 def add_submit(sub: argparse._SubParsersAction) -> None:
@@ -158,31 +158,15 @@ def _new_batch(
     client: Any, args: argparse.Namespace, path: Path, endpoint: str, metadata: dict[str, str]
 ) -> dict:
     """The batch made earlier with --idempotency-key, else a new one of the uploaded `path`."""
-    from conveyor.client import APIError
-
-    if args.idempotency_key:
-        batch = client.batch_for_key(args.idempotency_key)
-        if batch is not None:
-            print(
-                f"reusing batch {batch['id']} ({batch['status']}), created with "
-                f"idempotency key {args.idempotency_key!r}",
-                file=sys.stderr,
-            )
-            return batch
-    file = client.upload(path)
-    try:
-        batch = client.create_batch(
-            file["id"], endpoint, args.completion_window, metadata or None, args.idempotency_key
+    batch, reused = client.find_or_create_batch(
+        path, endpoint, args.completion_window, metadata or None, args.idempotency_key
+    )
+    if reused:
+        print(
+            f"reusing batch {batch['id']} ({batch['status']}), created with "
+            f"idempotency key {args.idempotency_key!r}",
+            file=sys.stderr,
         )
-    except APIError as err:
-        # a concurrent submit with the key won, with its own upload of the file
-        if err.code != IDEMPOTENCY_KEY_REUSED:
-            raise
-        batch = client.batch_for_key(args.idempotency_key)
-        if batch is None:
-            raise
-    if batch["input_file_id"] != file["id"]:
-        client.delete_file(file["id"])
     return batch
 
 
@@ -197,41 +181,8 @@ def _report_failed(batch: dict) -> int:
     return EXIT_BATCH_FAILED
 
 
-API_OUTAGE_TOLERANCE = 300.0  # seconds a waiting submit rides out an unreachable API
-
-
-def _poll(client, batch_id: str, bar) -> dict:
-    """The batch, retrying while the API is unreachable or restarting (up to 5 minutes)."""
-    import httpx
-
-    from conveyor.client import APIError
-
-    deadline = time.monotonic() + API_OUTAGE_TOLERANCE
-    while True:
-        try:
-            return client.batch(batch_id)
-        except (httpx.TransportError, APIError) as err:
-            if isinstance(err, APIError) and err.status < 500:
-                raise
-            if time.monotonic() > deadline:
-                raise
-            bar.write(f"the API is unavailable ({err}); retrying")
-            time.sleep(2.0)
-
-
 def wait_and_download(client, batch_id: str, args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
-
-    batch = client.batch(batch_id)
-    with tqdm(total=batch["request_counts"]["total"], desc=batch_id, unit="req") as bar:
-        while batch["status"] not in TERMINAL:
-            time.sleep(args.poll)
-            batch = _poll(client, batch_id, bar)
-            counts = batch["request_counts"]
-            bar.total = counts["total"]
-            bar.n = counts["completed"] + counts["failed"]
-            bar.set_postfix(status=batch["status"], failed=counts["failed"])
-            bar.refresh()
+    (batch,) = client.wait([batch_id], args.poll, desc=batch_id)
     if batch["status"] == BatchStatus.FAILED:
         return _report_failed(batch)
     if args.output and batch.get("output_file_id"):
@@ -311,4 +262,119 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     except (APIError, OSError) as err:
         return fail("cancel", str(err))
     print(f"batch {batch['id']} is {batch['status']}")
+    return EXIT_OK
+
+
+EVAL_HELP = """\
+conveyor eval: lm-eval's command line (lm-eval run; also `conveyor eval ls tasks` and `conveyor
+eval validate`), with --model conveyor unless --model (or a --config that names one) says
+otherwise. The conveyor model runs each request type as durable batches on a Conveyor service
+with a progress bar; running the same command again attaches to the batches it made instead of
+computing them again. Its --model_args: base_url (default $CONVEYOR_URL or {url}), model
+(default: the one model the service serves), tokenizer (a path or Hugging Face name; needed for
+loglikelihood tasks while the service offers no tokenizer), poll, completion_window,
+max_batch_lines, max_batch_bytes, and local-completions' own (max_length, max_gen_toks, seed,
+...). $CONVEYOR_API_KEY is sent as Bearer. Needs lm-eval: pip install 'conveyor[eval]'.
+lm-eval's help follows.
+"""
+LM_EVAL_SUBCOMMANDS = ("run", "ls", "validate")
+
+
+def add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="evaluate a served model with lm-eval's command line (--model conveyor)",
+        add_help=False,
+        # every argument, options included, belongs to lm-eval: none is an option here
+        prefix_chars="\0",
+    )
+    p.add_argument("lm_eval_args", nargs="*")
+    p.set_defaults(func=cmd_eval)
+
+
+def _option_value(args: list[str], i: int, long: str, short: str) -> str | None:
+    """The value of `args[i]` if it is the option `long`/`short` (`--opt V`, `--opt=V`, `-o V`,
+    `-oV`), else None; "" when the value is missing."""
+    arg = args[i]
+    if arg in (long, short):
+        return args[i + 1] if i + 1 < len(args) else ""
+    if arg.startswith(long + "="):
+        return arg[len(long) + 1 :]
+    if arg.startswith(short) and not arg.startswith("--"):
+        return arg[len(short) :]
+    return None
+
+
+def _names_a_model(args: list[str]) -> bool:
+    """Whether lm-eval's arguments choose a model type, directly or in a --config file."""
+    for i in range(len(args)):
+        if _option_value(args, i, "--model", "-M") is not None:
+            return True
+        config = _option_value(args, i, "--config", "-C")
+        if config and _config_names_model(Path(config)):
+            return True
+    return False
+
+
+def _config_names_model(path: Path) -> bool:
+    import yaml
+
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return False  # lm-eval says what is wrong with it
+    return isinstance(config, dict) and bool(config.get("model"))
+
+
+def lm_eval_argv(args: list[str]) -> list[str]:
+    """lm-eval's argv for `conveyor eval ARGS`: its `run` unless ARGS name another of its
+    subcommands, with `--model conveyor` when they choose no model type."""
+    if args and args[0] in LM_EVAL_SUBCOMMANDS[1:]:
+        return ["lm-eval", *args]
+    if args and args[0] == "run":
+        args = args[1:]
+    extra = [] if _names_a_model(args) else ["--model", "conveyor"]
+    return ["lm-eval", "run", *extra, *args]
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import httpx
+
+    from conveyor.client import DEFAULT_URL, APIError
+
+    argv = lm_eval_argv(list(args.lm_eval_args))
+    if "-h" in argv or "--help" in argv or argv == ["lm-eval", "run", "--model", "conveyor"]:
+        print(EVAL_HELP.format(url=DEFAULT_URL))
+        if len(argv) == 4:  # nothing asked: show how to ask
+            argv.append("--help")
+    try:
+        from lm_eval.__main__ import cli_evaluate
+
+        from conveyor.lm_eval_model import EvaluationError
+    except ImportError as err:
+        return fail("eval", f"lm-eval is not installed ({err}); pip install 'conveyor[eval]'")
+    saved = sys.argv
+    sys.argv = argv
+    try:
+        cli_evaluate()
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else EXIT_ERROR if done.code else EXIT_OK
+    except EvaluationError as err:
+        return fail("eval", str(err))
+    except APIError as err:
+        return fail("eval", str(err))
+    except httpx.HTTPError as err:
+        where = ""
+        with contextlib.suppress(RuntimeError):  # an error without its request
+            where = f" ({err.request.method} {err.request.url})"
+        return fail("eval", f"{type(err).__name__}: {err}{where}")
+    except KeyboardInterrupt:
+        print(
+            f"{PROG} eval: interrupted; the batches it made go on: run the same command again "
+            "to attach to them",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
+    finally:
+        sys.argv = saved
     return EXIT_OK
