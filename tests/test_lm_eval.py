@@ -294,10 +294,6 @@ def embedded_serve(model: Path, name: str, root: Path) -> Iterator[str]:
                 proc.wait(10)
 
 
-@pytest.mark.skip(
-    reason="pending: needs the API's online POST /v1/completions (issue 18, in progress); "
-    "remove this mark when it lands"
-)
 def test_local_completions_against_conveyor_serve_matches_lm_eval_hf(
     chat_model: Path, hf_run: EvalRun, tmp_path: Path
 ) -> None:
