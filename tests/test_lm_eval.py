@@ -164,8 +164,10 @@ def test_conveyor_eval_matches_lm_eval_hf(
     api = stack.start_api()
     stack.start_worker("w1", chat_model)
     env = lm_eval_env(tmp_path, CONVEYOR_URL=api)  # base_url's default
-    done = run(conveyor_eval(f"tokenizer={chat_model},poll=0.2", tmp_path / "out"), env)
+    # no tokenizer given: the server's, through its /tokenize and /tokenizer_info
+    done = run(conveyor_eval("poll=0.2", tmp_path / "out"), env)
     assert done.returncode == EXIT_OK, done.stderr[-5000:]
+    assert "Using remote tokenizer" in done.stderr
     assert_matches_hf(read_run(tmp_path / "out"), hf_run, chat_model)
 
     # one batch per request type, of `tiny`, the one model served (model's default)
