@@ -12,7 +12,7 @@ keeps this module free of torch imports until an engine is actually handed in.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -30,6 +30,7 @@ from conveyor.batch_format.result_lines import (
     error_line_from_exception,
 )
 from conveyor.batch_format.token_text import TokenDecoder
+from engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -59,13 +60,11 @@ def _sampling_param_name(message: str) -> str | None:
     return f"body.{first}" if first in _SAMPLING_FIELDS else None
 
 
-def prepare_request(
-    llm: Any, request: ParsedRequest, sampling_params_cls: Callable[..., Any]
-) -> tuple[str | list[int], Any]:
+def prepare_request(llm: Any, request: ParsedRequest) -> tuple[str | list[int], SamplingParams]:
     """The engine prompt and sampling params of a parsed line. Raises `BatchRequestError`."""
     lineno = request.line
     try:
-        params = sampling_params_cls(**request.sampling)
+        params = SamplingParams(**request.sampling)
     except (ValueError, TypeError) as err:
         raise BatchRequestError(
             str(err),
@@ -96,7 +95,6 @@ class BatchRunner:
         self,
         llm: Any,
         *,
-        sampling_params_cls: Callable[..., Any],
         model_name: str,
         out: IO[str],
         error_out: IO[str] | None = None,
@@ -105,7 +103,6 @@ class BatchRunner:
         progress: Any | None = None,
     ) -> None:
         self.llm = llm
-        self.sampling_params_cls = sampling_params_cls
         self.model_name = model_name
         self.out = out
         self.error_out = error_out if error_out is not None else out
@@ -139,7 +136,7 @@ class BatchRunner:
         request_id = f"line-{lineno}"
         try:
             request = self.parser.parse(raw, lineno)
-            prompt, params = prepare_request(self.llm, request, self.sampling_params_cls)
+            prompt, params = prepare_request(self.llm, request)
             try:
                 self.llm.add_request(request_id, prompt, params)
             except ValueError as err:

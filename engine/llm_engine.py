@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from engine.block_manager import BlockManager
+from engine.config import EngineConfig
 from engine.cpu_memory import reuse_large_allocations
 from engine.loader import (
     config_dtype,
@@ -19,6 +21,7 @@ from engine.loader import (
     resolve_model_path,
 )
 from engine.model_runner import ModelRunner
+from engine.models import DecoderForCausalLM
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from engine.sampler import Sampler, SampleRequest, top_logprobs
 from engine.sampling_params import SamplingParams
@@ -52,89 +55,87 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(
-        self,
-        model: str,
-        *,
-        device: str = "auto",
-        dtype: str | torch.dtype = "auto",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 4096,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        seed: int = 0,
-        attention_backend: str = "auto",
-        admission_policy: str = "cache_aware",
-        max_waiting_time: float = 30.0,
-        lpm_max_waiting: int = 128,
-    ):
-        if block_size < 1:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        self.device = _resolve_device(device)
+    def __init__(self, model: str, config: EngineConfig | None = None, **options: Any):
+        """Load `model` (a directory or Hugging Face id) under `config`, or under the config
+        that `options` (`max_num_seqs=8`, `dtype="float32"`, ...) make with the defaults."""
+        if config is None:
+            config = EngineConfig(**options)
+        elif options:
+            raise TypeError("give either an EngineConfig or engine options, not both")
+        self.engine_config = config
+        self.device = _resolve_device(config.device)
         if self.device.type == "cpu":
             reuse_large_allocations()
+        net = self._load_model(model)
+        num_kv_blocks = self._num_kv_blocks(net)
+        self.max_model_len = self._max_model_len(num_kv_blocks)
+        self.block_size = config.block_size
+
+        self.block_manager = BlockManager(
+            num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            cache_aware=config.admission_policy == "cache_aware",
+            lpm_max_waiting=config.lpm_max_waiting,
+            max_waiting_time=config.max_waiting_time,
+        )
+        backend = get_attention_backend(config.attention_backend, self.device)
+        self.runner = ModelRunner(
+            net, backend, num_kv_blocks, config.block_size, self.device, self.dtype
+        )
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(config.seed)
+        self.sampler = Sampler(generator)
+        self.requests: dict[str, Request] = {}
+        self.generation_tokens = 0
+        self.num_steps = 0
+
+    def _load_model(self, model: str) -> DecoderForCausalLM:
+        """Load the model's config, tokenizer and weights, once max_model_len fits the model."""
         path = resolve_model_path(model)
         self.model_path = path
-        config = load_config(path)
-        self.config = config
-        self.dtype = _resolve_dtype(dtype, config, self.device)
+        hf_config = load_config(path)
+        self.config = hf_config  # the model's; the engine's own is self.engine_config
+        self.dtype = _resolve_dtype(self.engine_config.dtype, hf_config, self.device)
         self.tokenizer = load_tokenizer(path)
-        self.eos_token_ids = eos_token_ids(path, config, self.tokenizer)
-        self.vocab_size = config.vocab_size
+        self.eos_token_ids = eos_token_ids(path, hf_config, self.tokenizer)
+        self.vocab_size = hf_config.vocab_size
 
-        max_positions = config.max_position_embeddings
+        max_model_len = self.engine_config.max_model_len
+        max_positions = hf_config.max_position_embeddings
         if max_model_len is not None and max_model_len > max_positions:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's "
                 f"max_position_embeddings={max_positions}"
             )
-        net = load_model(path, config, self.dtype, self.device, max_positions)
-        per_block = ModelRunner.bytes_per_block(net, block_size, self.dtype)
-        if num_kv_blocks is None:
-            num_kv_blocks = self._budget_blocks(kv_cache_memory, gpu_memory_utilization, per_block)
-            # never more than max_num_seqs sequences of full length can use
-            longest = max_model_len or max_positions
-            num_kv_blocks = min(num_kv_blocks, max_num_seqs * -(-longest // block_size))
+        return load_model(path, hf_config, self.dtype, self.device, max_positions)
+
+    def _num_kv_blocks(self, net: DecoderForCausalLM) -> int:
+        """The configured number of KV cache blocks, else as many as the memory budget holds."""
+        c = self.engine_config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        per_block = ModelRunner.bytes_per_block(net, c.block_size, self.dtype)
+        num_kv_blocks = self._budget_blocks(c.kv_cache_memory, c.gpu_memory_utilization, per_block)
+        # never more than max_num_seqs sequences of full length can use
+        longest = c.max_model_len or self.config.max_position_embeddings
+        return min(num_kv_blocks, c.max_num_seqs * -(-longest // c.block_size))
+
+    def _max_model_len(self, num_kv_blocks: int) -> int:
+        """The configured max_model_len, else the model's, capped by what the KV cache holds."""
+        max_model_len, block_size = self.engine_config.max_model_len, self.engine_config.block_size
         capacity = num_kv_blocks * block_size
         if max_model_len is None:
-            max_model_len = min(max_positions, capacity)
-        elif max_model_len > capacity:
+            return min(self.config.max_position_embeddings, capacity)
+        if max_model_len > capacity:
             raise ValueError(
                 f"the KV cache holds {capacity} tokens ({num_kv_blocks} blocks of {block_size}), "
                 f"fewer than max_model_len={max_model_len}; give it more blocks or memory"
             )
-        self.max_model_len = max_model_len
-        self.block_size = block_size
-
-        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
-        if admission_policy not in ("cache_aware", "fcfs"):
-            raise ValueError(
-                f"admission_policy must be 'cache_aware' or 'fcfs', got {admission_policy!r}"
-            )
-        if max_waiting_time < 0:
-            raise ValueError(f"max_waiting_time must be >= 0 seconds, got {max_waiting_time}")
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs,
-            max_num_batched_tokens,
-            cache_aware=admission_policy == "cache_aware",
-            lpm_max_waiting=lpm_max_waiting,
-            max_waiting_time=max_waiting_time,
-        )
-        backend = get_attention_backend(attention_backend, self.device)
-        self.runner = ModelRunner(net, backend, num_kv_blocks, block_size, self.device, self.dtype)
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(seed)
-        self.sampler = Sampler(generator)
-        self.requests: dict[str, Request] = {}
-        self.generation_tokens = 0
-        self.num_steps = 0
+        return max_model_len
 
     def _budget_blocks(self, kv_bytes: int | None, gpu_util: float, per_block: int) -> int:
         if kv_bytes is None:

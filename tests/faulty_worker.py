@@ -22,6 +22,7 @@ from typing import Any
 
 import worker.main
 from conveyor.cli import main
+from engine.config import EngineConfig
 
 
 class FaultyEngine:
@@ -71,9 +72,8 @@ def run(argv: list[str]) -> int:
     faults = parser.parse_args(argv[:split])
     build_engine = worker.main.build_engine
 
-    def faulty_build_engine(model: str, engine_kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        engine, params_cls = build_engine(model, engine_kwargs)
-        return FaultyEngine(engine, faults), params_cls
+    def faulty_build_engine(model: str, config: EngineConfig) -> Any:
+        return FaultyEngine(build_engine(model, config), faults)
 
     worker.main.build_engine = faulty_build_engine
     return main(argv[split + 1 :])

@@ -22,8 +22,8 @@ import yaml
 from services import free_port
 
 from conveyor.cli import build_parser
+from conveyor.cli.common import EXIT_TOO_MANY_FAILED
 from conveyor.env_args import env_name, option_actions
-from conveyor.service_cli import EXIT_TOO_MANY_FAILED
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"

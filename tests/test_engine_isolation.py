@@ -120,7 +120,7 @@ def test_the_offline_runner_writes_an_error_line_for_it(
 
     def results(llm: LLM) -> dict[str, dict]:
         out = io.StringIO()
-        runner = BatchRunner(llm, sampling_params_cls=SamplingParams, model_name="m", out=out)
+        runner = BatchRunner(llm, model_name="m", out=out)
         stats = runner.run(enumerate(lines, 1))
         rows = {r["custom_id"]: r for r in map(json.loads, out.getvalue().splitlines())}
         assert stats.lines == len(rows) == 4

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 from services import Stack, batch_lines, write_jsonl
 
-from conveyor.service_cli import EXIT_ERROR, EXIT_OK
+from conveyor.cli.common import EXIT_ERROR, EXIT_OK
 
 
 def submit(api: str, *args: str | Path) -> list[str]:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from dataclasses import replace
 from typing import IO, Any
 
 from celery.signals import worker_shutting_down
 
 from conveyor.served_names import served_model_names
 from conveyor.settings import Settings
+from engine.config import EngineConfig
 from worker.echo import ECHO_MODEL, EchoEngine
 from worker.gpu import claim_gpu
 from worker.runtime import WorkerRuntime
@@ -18,30 +20,29 @@ from worker.runtime import WorkerRuntime
 log = logging.getLogger(__name__)
 
 
-def build_engine(model: str, engine_kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """(engine, SamplingParams class) for `model`; `echo` is the null engine."""
-    from engine import LLM, SamplingParams
+def build_engine(model: str, config: EngineConfig) -> Any:
+    """The engine for `model`; `echo` is the null engine."""
+    from engine import LLM
 
     if model == ECHO_MODEL:
         step = float(os.environ.get("CONVEYOR_ECHO_STEP_SECONDS") or 0)
-        return EchoEngine(step, engine_kwargs.get("max_num_seqs") or 256), SamplingParams
-    return LLM(model, **engine_kwargs), SamplingParams
+        return EchoEngine(step, config.max_num_seqs)
+    return LLM(model, config)
 
 
-def pick_device(settings: Settings, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+def pick_device(settings: Settings, config: EngineConfig) -> EngineConfig:
     """With CONVEYOR_GPU_LOCK_DIR set and several GPUs visible, claim one for this worker."""
-    device = engine_kwargs.get("device") or "auto"
-    if settings.gpu_lock_dir is None or device not in ("auto", "cuda"):
-        return engine_kwargs
+    if settings.gpu_lock_dir is None or config.device not in ("auto", "cuda"):
+        return config
     import torch
 
     count = torch.cuda.device_count()
     if count <= 1:
-        return engine_kwargs
+        return config
     index, lock = claim_gpu(settings.gpu_lock_dir, count)
     _held_locks.append(lock)
     log.info("claimed GPU %d of %d (lock in %s)", index, count, settings.gpu_lock_dir)
-    return {**engine_kwargs, "device": f"cuda:{index}"}
+    return replace(config, device=f"cuda:{index}")
 
 
 _held_locks: list[IO[bytes]] = []  # the GPU claim lasts as long as the process
@@ -51,14 +52,14 @@ def start_runtime(
     settings: Settings,
     model: str,
     served_names: list[str] | None,
-    engine_kwargs: dict[str, Any],
+    config: EngineConfig,
     name: str | None = None,
 ) -> WorkerRuntime:
     if model != ECHO_MODEL:
-        engine_kwargs = pick_device(settings, engine_kwargs)
-    engine, params_cls = build_engine(model, engine_kwargs)
+        config = pick_device(settings, config)
+    engine = build_engine(model, config)
     names = served_model_names(model, served_names)
-    runtime = WorkerRuntime(settings, engine, names, params_cls, name=name)
+    runtime = WorkerRuntime(settings, engine, names, name=name)
     runtime.start()
     return runtime
 

@@ -74,13 +74,11 @@ class WorkerRuntime:
         settings: Settings,
         engine: Any,
         model_names: list[str],
-        sampling_params_cls: Any,
         name: str | None = None,
     ) -> None:
         self.settings = settings
         self.engine = engine
         self.model_names = list(dict.fromkeys(model_names))
-        self.sampling_params_cls = sampling_params_cls
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         shared = list(dict.fromkeys(queue_for(m) for m in self.model_names))
         # the model's shared queue, and this worker's own for shards routed to it by prefix
@@ -248,7 +246,7 @@ class WorkerRuntime:
         try:
             parsed = parse_request_line(raw, line=line)
             apply_max_tokens_cap(parsed, self.settings.max_tokens_cap)
-            prompt, params = prepare_request(self.engine, parsed, self.sampling_params_cls)
+            prompt, params = prepare_request(self.engine, parsed)
         except BatchRequestError as err:
             self._write(batch_id, request_id, error_line_from_exception(err), pending, line)
             return None

@@ -1,0 +1,53 @@
+"""The `conveyor` command line.
+
+Its subcommands live by audience: `offline` (the engine in this process), `server` (what runs
+the service) and `client` (what talks to its API). Each subcommand has an `add_<name>` function
+that declares its arguments and a `cmd_<name>` function that runs it and returns the exit code.
+Heavy imports (torch, the engine, the service) happen inside the command functions so that
+`conveyor --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from conveyor import __version__
+from conveyor.cli import client, offline, server
+from conveyor.cli.common import EXIT_INTERRUPTED, PROG
+
+SUBCOMMANDS = [
+    offline.add_run_batch,
+    offline.add_demo_model,
+    server.add_migrate,
+    server.add_serve,
+    server.add_worker,
+    client.add_submit,
+    client.add_status,
+    client.add_results,
+    client.add_cancel,
+    server.add_ready,
+    server.add_keys,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Conveyor: batch LLM inference on a paged-KV engine."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

@@ -1,0 +1,314 @@
+"""The client commands: `conveyor submit | status | results | cancel` talk to the API over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from conveyor.batch_format.errors import IDEMPOTENCY_KEY_REUSED
+from conveyor.cli.common import (
+    EXIT_BATCH_CANCELLED,
+    EXIT_BATCH_EXPIRED,
+    EXIT_BATCH_FAILED,
+    EXIT_ERROR,
+    EXIT_OK,
+    EXIT_TOO_MANY_FAILED,
+    EXIT_USAGE,
+    add_url_argument,
+    fail,
+)
+from ledger.states import TERMINAL, BatchStatus
+
+
+def add_submit(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "submit",
+        help="upload a JSONL file and create a batch (optionally wait and download results)",
+        description="Upload a batch input file, create the batch, and with --wait show its "
+        f"progress and download the results. Exit codes: {EXIT_OK} completed; {EXIT_ERROR} "
+        f"error talking to the API; {EXIT_BATCH_FAILED} the batch failed validation; "
+        f"{EXIT_BATCH_EXPIRED} expired; {EXIT_BATCH_CANCELLED} cancelled; "
+        f"{EXIT_TOO_MANY_FAILED} completed with more failed requests than --max-failed.",
+    )
+    p.add_argument("input", type=Path, metavar="IN.jsonl", nargs="?")
+    p.add_argument("--model", help="set body.model on every line that has none")
+    p.add_argument("--endpoint", help="default: the first line's url")
+    p.add_argument("--completion-window", default="24h")
+    p.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--wait", action="store_true", help="wait for the batch to finish")
+    p.add_argument(
+        "--resume",
+        metavar="BATCH_ID",
+        help="reattach to this batch (printed by an earlier submit) instead of submitting: "
+        "wait for it and download its results as --wait does; IN.jsonl is not needed",
+    )
+    p.add_argument(
+        "--idempotency-key",
+        metavar="KEY",
+        help="if a batch was already created with this key, reuse it instead of submitting "
+        "again (e.g. nightly-$(date +%%F) makes a re-run of a nightly step attach to that "
+        "night's batch, whatever became of it)",
+    )
+    p.add_argument("-o", "--output", type=Path, help="with --wait: write the results here")
+    p.add_argument("--errors", type=Path, help="with --wait: write the error lines here")
+    p.add_argument(
+        "--max-failed",
+        type=int,
+        default=0,
+        help="with --wait: failed requests tolerated before exiting non-zero",
+    )
+    p.add_argument("--poll", type=float, default=1.0, help="seconds between status polls")
+    p.add_argument(
+        "--wait-api",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="wait up to this long for the API to be ready before uploading",
+    )
+    add_url_argument(p)
+    p.set_defaults(func=cmd_submit)
+
+
+def _prepared_input(path: Path, model: str | None) -> tuple[Path, str | None, bool]:
+    """(file to upload, first line's url, whether it is a temp copy)."""
+    url = None
+    if model is None:
+        with open(path, "rb") as f:
+            for raw in f:
+                if raw.strip():
+                    with contextlib.suppress(ValueError, AttributeError):
+                        url = json.loads(raw).get("url")
+                    break
+        return path, url, False
+    with (
+        open(path, "rb") as f,
+        tempfile.NamedTemporaryFile("wb", suffix=".jsonl", delete=False) as tmp,
+    ):
+        for raw in f:
+            try:
+                obj = json.loads(raw)
+            except ValueError:
+                tmp.write(raw)  # the API reports it with its line number
+                continue
+            if isinstance(obj, dict):
+                url = url or obj.get("url")
+                body = obj.get("body")
+                if isinstance(body, dict) and "model" not in body:
+                    body["model"] = model
+                tmp.write(json.dumps(obj, ensure_ascii=False).encode() + b"\n")
+            else:
+                tmp.write(raw)
+    return Path(tmp.name), url, True
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    if args.resume:
+        if args.idempotency_key:
+            return fail("submit", "give --resume or --idempotency-key, not both", EXIT_USAGE)
+        return _follow(args, lambda client: client.batch(args.resume), wait=True)
+    if args.input is None:
+        return fail("submit", "give the input file IN.jsonl (or --resume BATCH_ID)", EXIT_USAGE)
+    if not args.input.is_file():
+        return fail("submit", f"input file {str(args.input)!r} does not exist", EXIT_USAGE)
+    metadata = {}
+    for item in args.metadata:
+        key, sep, value = item.partition("=")
+        if not sep:
+            return fail("submit", f"--metadata wants KEY=VALUE, got {item!r}", EXIT_USAGE)
+        metadata[key] = value
+    path, url, temporary = _prepared_input(args.input, args.model)
+    endpoint = args.endpoint or url or "/v1/chat/completions"
+    try:
+        return _follow(
+            args, lambda client: _new_batch(client, args, path, endpoint, metadata), args.wait
+        )
+    finally:
+        if temporary:
+            path.unlink(missing_ok=True)
+
+
+def _follow(args: argparse.Namespace, get_batch: Callable[[Any], dict], wait: bool) -> int:
+    """Print the id of the batch `get_batch` gives; with `wait`, wait for it and download its
+    results, else report whether it was accepted."""
+    from conveyor.client import APIError, ConveyorClient
+
+    try:
+        with ConveyorClient(args.url) as client:
+            if args.wait_api:
+                client.wait_ready(args.wait_api)
+            batch = get_batch(client)
+            print(batch["id"], flush=True)
+            if not wait:
+                return EXIT_OK if batch["status"] != BatchStatus.FAILED else _report_failed(batch)
+            return wait_and_download(client, batch["id"], args)
+    except (APIError, OSError) as err:
+        return fail("submit", str(err))
+    except Exception as err:  # httpx transport errors
+        return fail("submit", f"{type(err).__name__}: {err}")
+
+
+def _new_batch(
+    client: Any, args: argparse.Namespace, path: Path, endpoint: str, metadata: dict[str, str]
+) -> dict:
+    """The batch made earlier with --idempotency-key, else a new one of the uploaded `path`."""
+    from conveyor.client import APIError
+
+    if args.idempotency_key:
+        batch = client.batch_for_key(args.idempotency_key)
+        if batch is not None:
+            print(
+                f"reusing batch {batch['id']} ({batch['status']}), created with "
+                f"idempotency key {args.idempotency_key!r}",
+                file=sys.stderr,
+            )
+            return batch
+    file = client.upload(path)
+    try:
+        batch = client.create_batch(
+            file["id"], endpoint, args.completion_window, metadata or None, args.idempotency_key
+        )
+    except APIError as err:
+        # a concurrent submit with the key won, with its own upload of the file
+        if err.code != IDEMPOTENCY_KEY_REUSED:
+            raise
+        batch = client.batch_for_key(args.idempotency_key)
+        if batch is None:
+            raise
+    if batch["input_file_id"] != file["id"]:
+        client.delete_file(file["id"])
+    return batch
+
+
+def _report_failed(batch: dict) -> int:
+    errors = (batch.get("errors") or {}).get("data") or []
+    for e in errors[:50]:
+        where = f"line {e['line']}: " if e.get("line") else ""
+        print(f"  {where}{e.get('code')}: {e.get('message')}", file=sys.stderr)
+    if len(errors) > 50:
+        print(f"  ... and {len(errors) - 50} more", file=sys.stderr)
+    print(f"batch {batch['id']} failed validation", file=sys.stderr)
+    return EXIT_BATCH_FAILED
+
+
+API_OUTAGE_TOLERANCE = 300.0  # seconds a waiting submit rides out an unreachable API
+
+
+def _poll(client, batch_id: str, bar) -> dict:
+    """The batch, retrying while the API is unreachable or restarting (up to 5 minutes)."""
+    import httpx
+
+    from conveyor.client import APIError
+
+    deadline = time.monotonic() + API_OUTAGE_TOLERANCE
+    while True:
+        try:
+            return client.batch(batch_id)
+        except (httpx.TransportError, APIError) as err:
+            if isinstance(err, APIError) and err.status < 500:
+                raise
+            if time.monotonic() > deadline:
+                raise
+            bar.write(f"the API is unavailable ({err}); retrying")
+            time.sleep(2.0)
+
+
+def wait_and_download(client, batch_id: str, args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    batch = client.batch(batch_id)
+    with tqdm(total=batch["request_counts"]["total"], desc=batch_id, unit="req") as bar:
+        while batch["status"] not in TERMINAL:
+            time.sleep(args.poll)
+            batch = _poll(client, batch_id, bar)
+            counts = batch["request_counts"]
+            bar.total = counts["total"]
+            bar.n = counts["completed"] + counts["failed"]
+            bar.set_postfix(status=batch["status"], failed=counts["failed"])
+            bar.refresh()
+    if batch["status"] == BatchStatus.FAILED:
+        return _report_failed(batch)
+    if args.output and batch.get("output_file_id"):
+        client.download(batch["output_file_id"], args.output)
+    elif args.output:
+        args.output.write_bytes(b"")
+    if args.errors and batch.get("error_file_id"):
+        client.download(batch["error_file_id"], args.errors)
+    elif args.errors:
+        args.errors.write_bytes(b"")
+    counts = batch["request_counts"]
+    print(
+        f"batch {batch_id} {batch['status']}: {counts['completed']} completed, "
+        f"{counts['failed']} failed of {counts['total']}",
+        file=sys.stderr,
+    )
+    if batch["status"] == BatchStatus.EXPIRED:
+        return EXIT_BATCH_EXPIRED
+    if batch["status"] == BatchStatus.CANCELLED:
+        return EXIT_BATCH_CANCELLED
+    if counts["failed"] > args.max_failed:
+        return EXIT_TOO_MANY_FAILED
+    return EXIT_OK
+
+
+def add_status(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="print a batch object")
+    p.add_argument("batch_id")
+    add_url_argument(p)
+    p.set_defaults(func=cmd_status)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from conveyor.client import APIError, ConveyorClient
+
+    try:
+        with ConveyorClient(args.url) as client:
+            print(json.dumps(client.batch(args.batch_id), indent=2))
+    except (APIError, OSError) as err:
+        return fail("status", str(err))
+    return EXIT_OK
+
+
+def add_results(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("results", help="print the result lines finished so far (JSONL)")
+    p.add_argument("batch_id")
+    p.add_argument("--after", help="only lines after this line id")
+    add_url_argument(p)
+    p.set_defaults(func=cmd_results)
+
+
+def cmd_results(args: argparse.Namespace) -> int:
+    from conveyor.client import APIError, ConveyorClient
+
+    try:
+        with ConveyorClient(args.url) as client:
+            for line in client.results(args.batch_id, args.after):
+                print(json.dumps(line, ensure_ascii=False))
+    except (APIError, OSError) as err:
+        return fail("results", str(err))
+    return EXIT_OK
+
+
+def add_cancel(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("cancel", help="cancel a batch")
+    p.add_argument("batch_id")
+    add_url_argument(p)
+    p.set_defaults(func=cmd_cancel)
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from conveyor.client import APIError, ConveyorClient
+
+    try:
+        with ConveyorClient(args.url) as client:
+            batch = client.cancel(args.batch_id)
+    except (APIError, OSError) as err:
+        return fail("cancel", str(err))
+    print(f"batch {batch['id']} is {batch['status']}")
+    return EXIT_OK

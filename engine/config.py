@@ -1,0 +1,149 @@
+"""`EngineConfig`: every option of the engine, with its default, its meaning and its checks.
+
+The command line's engine flags (and so `conveyor worker`'s `CONVEYOR_<OPTION>` variables) are
+derived from these fields: each field's metadata holds its `--help` text and how its flag reads
+a value (argparse's `type`, `metavar`, `choices`). Torch-free: `dtype`, `device` and
+`attention_backend` stay names here; the engine resolves them when it loads the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+ADMISSION_POLICIES = ("cache_aware", "fcfs")
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "ki": 1024,
+    "kib": 1024,
+    "mi": 1024**2,
+    "mib": 1024**2,
+    "gi": 1024**3,
+    "gib": 1024**3,
+    "ti": 1024**4,
+    "tib": 1024**4,
+}
+
+
+# The readers below raise argparse's error type: a command line shows its message as it is.
+def parse_size(text: str) -> int:
+    """Bytes from `4GiB`, `512MiB`, `2G`, `1e9` or a plain integer."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+    if not match or match.group(2) not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}; use bytes or a unit such as 512MiB, 4GiB, 2GB"
+        )
+    value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _option(default: Any, help: str, *, cli: bool = True, **flag: Any) -> Any:
+    """A field whose metadata says what it means (`help`), whether it has a command-line flag
+    (`cli`) and how that flag reads its value: argparse's `type`, `metavar` or `choices`, or
+    `off_switch`, the name of a flag that turns a true-by-default option off."""
+    return field(default=default, metadata={"help": help, "cli": cli, **flag})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # fields in the order of their flags in `--help`
+    max_model_len: int | None = _option(
+        None,
+        "longest sequence (prompt + output) in tokens (default: the model's "
+        "max_position_embeddings, capped by the KV cache size)",
+        type=positive_int,
+    )
+    block_size: int = _option(16, "tokens per KV cache block (default 16)", type=positive_int)
+    num_kv_blocks: int | None = _option(
+        None,
+        "number of KV cache blocks (default: as many as --kv-cache-memory holds)",
+        type=positive_int,
+    )
+    kv_cache_memory: int | None = _option(
+        None,
+        "memory for the KV cache, e.g. 4GiB or 512MiB (default: derived from "
+        "--gpu-memory-utilization on GPU, a fixed budget on CPU)",
+        type=parse_size,
+        metavar="SIZE",
+    )
+    gpu_memory_utilization: float = _option(
+        0.9,
+        "fraction of GPU memory the engine may use when --kv-cache-memory is not given "
+        "(default 0.9)",
+        type=float,
+        metavar="FRACTION",
+    )
+    max_num_seqs: int = _option(256, "most sequences in one batch (default 256)", type=positive_int)
+    max_num_batched_tokens: int = _option(
+        4096, "most tokens processed in one engine step (default 4096)", type=positive_int
+    )
+    dtype: str | torch.dtype = _option(
+        "auto", "weight and activation dtype: auto, float32, float16, bfloat16 (default auto)"
+    )
+    device: str = _option("auto", "cpu, cuda, cuda:N or auto (default auto)")
+    enable_prefix_caching: bool = _option(
+        True,
+        "do not share KV cache blocks between requests with a common prefix",
+        off_switch="--no-prefix-caching",
+    )
+    seed: int = _option(0, "engine random seed (default 0)", type=int)
+    admission_policy: str = _option(
+        "cache_aware",
+        "which waiting requests to admit first: cache_aware (longest cached prefix first, "
+        "one computation per shared prefix; the default) or fcfs (arrival order)",
+        choices=ADMISSION_POLICIES,
+    )
+    max_waiting_time: float = _option(
+        30.0,
+        "a request waiting this long is admitted before all others (default 30)",
+        type=float,
+        metavar="SECONDS",
+    )
+    attention_backend: str = _option(
+        "auto", "attention implementation: auto or a backend name the engine knows (default auto)"
+    )
+    lpm_max_waiting: int = _option(
+        128,
+        "with more waiting sequences than this, admit in arrival order instead of sorting them "
+        "by cached prefix length (default 128)",
+        cli=False,
+    )
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.admission_policy not in ADMISSION_POLICIES:
+            raise ValueError(
+                f"admission_policy must be 'cache_aware' or 'fcfs', got {self.admission_policy!r}"
+            )
+        if self.max_waiting_time < 0:
+            raise ValueError(f"max_waiting_time must be >= 0 seconds, got {self.max_waiting_time}")

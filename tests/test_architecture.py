@@ -1,0 +1,211 @@
+"""The shape of the code, held by a test: which package may import which, no import cycles, and
+no function so long that it hides more than one idea.
+
+Imports are read from the source (ast), every `import` and `from ... import` of a module,
+those inside functions too (a lazy import still runs), but not those under
+`if TYPE_CHECKING:` (they never run).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("api", "conveyor", "engine", "kernels", "ledger", "migrations", "worker")
+SERVICE_LAYERS = ("api", "ledger", "worker", "conveyor.dispatch")
+WEB_AND_DATABASE = ("fastapi", "starlette", "sqlalchemy", "alembic", "psycopg", "celery", "redis")
+LONGEST_FUNCTION = 60  # lines; a longer one says why in a comment holding "long:"
+
+
+def module_files() -> dict[str, Path]:
+    files = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            files[".".join(parts)] = path
+    return files
+
+
+MODULES = module_files()
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _import_nodes(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and _type_checking(node):
+            for child in node.orelse:
+                yield from _import_nodes(child)
+            continue
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        yield from _import_nodes(node)
+
+
+def _resolve(module: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    is_package = MODULES[module].name == "__init__.py"
+    base = module.split(".")[: len(module.split(".")) - node.level + is_package]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+@cache
+def imports(module: str) -> frozenset[str]:
+    """What `module` imports: project modules by their full name, anything else by its
+    top-level name."""
+    tree = ast.parse(MODULES[module].read_text(), str(MODULES[module]))
+    found = set()
+    for node in _import_nodes(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+            continue
+        source = _resolve(module, node)
+        for alias in node.names:
+            submodule = f"{source}.{alias.name}"
+            found.add(submodule if submodule in MODULES else source)
+    return frozenset(name if name in MODULES else name.split(".")[0] for name in found)
+
+
+def project_imports(module: str) -> set[str]:
+    return {name for name in imports(module) if name in MODULES}
+
+
+@cache
+def reaches(module: str) -> frozenset[str]:
+    """Everything `module` imports, directly or through the project's modules."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        for name in imports(todo.pop()):
+            if name not in seen:
+                seen.add(name)
+                if name in MODULES:
+                    todo.append(name)
+    return frozenset(seen)
+
+
+def cycles() -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(project_imports(v)):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1 or v in project_imports(v):
+                groups.append(sorted(group))
+
+    for module in sorted(MODULES):
+        if module not in index:
+            visit(module)
+    return groups
+
+
+def in_package(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def offenders(packages: tuple[str, ...], forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+    """Modules of `packages` that reach one of `forbidden`, with what they reach."""
+    found = {}
+    for module in MODULES:
+        if any(in_package(module, p) for p in packages):
+            bad = sorted(
+                name for name in reaches(module) if any(in_package(name, f) for f in forbidden)
+            )
+            if bad:
+                found[module] = bad
+    return found
+
+
+def test_the_import_graph_is_read() -> None:
+    # the checks below mean something only if the graph is what the code says
+    assert "api.app" in MODULES and "engine.llm_engine" in MODULES
+    assert "conveyor.dispatch.celery_app" in project_imports("api.app")
+    assert "torch" in reaches("engine.llm_engine")
+    assert "sqlalchemy" in reaches("ledger.batch_lifecycle")
+
+
+def test_no_import_cycles() -> None:
+    assert cycles() == []
+
+
+def test_the_api_imports_neither_the_worker_nor_torch() -> None:
+    assert offenders(("api",), ("worker", "torch", "engine", "kernels", "transformers")) == {}
+
+
+def test_the_engine_and_kernels_import_no_service_layer() -> None:
+    assert offenders(("engine", "kernels"), SERVICE_LAYERS + WEB_AND_DATABASE) == {}
+
+
+def test_the_batch_format_imports_no_torch_database_or_web_framework() -> None:
+    forbidden = ("torch", "engine", "kernels", "transformers", "api", "ledger", "worker")
+    assert offenders(("conveyor.batch_format",), forbidden + WEB_AND_DATABASE) == {}
+
+
+def long_functions() -> list[str]:
+    found = []
+    for module, path in MODULES.items():
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            length = node.end_lineno - start + 1
+            said_why = any("long:" in line for line in lines[start - 2 : node.end_lineno])
+            if length > LONGEST_FUNCTION and not said_why:
+                found.append(f"{module}.{node.name} ({length} lines)")
+    return found
+
+
+def test_no_function_is_long_without_saying_why() -> None:
+    assert long_functions() == []
+
+
+@pytest.mark.parametrize("module", ["worker.runtime", "api.batch_create"])
+def test_a_long_function_is_found(module: str, tmp_path: Path, monkeypatch) -> None:
+    # the length check sees a function grown past the limit in a real module
+    source = MODULES[module].read_text() + "\n\ndef grown():\n" + "    x = 1\n" * 70
+    path = tmp_path / "grown.py"
+    path.write_text(source)
+    monkeypatch.setitem(MODULES, module, path)
+    assert f"{module}.grown (71 lines)" in long_functions()
+
+
+def test_a_cycle_is_found(monkeypatch) -> None:
+    # ledger.models importing the API would close a loop through the API's own imports
+    real = project_imports
+    added = {"ledger.models": {"api.app"}}
+    monkeypatch.setitem(globals(), "project_imports", lambda m: real(m) | added.get(m, set()))
+    assert any({"api.app", "ledger.models"} <= set(group) for group in cycles())
