@@ -9,16 +9,80 @@ from unittest import mock
 # interpreter whatever ran before them. CPU code paths never launch Triton kernels.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from collections.abc import Callable, Iterator  # noqa: E402
+from contextlib import AbstractContextManager, ExitStack  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from conveyor.demo_model import write_tiny_model  # noqa: E402
-
-pytest_plugins = ["services"]
+from conveyor.settings import normalize_database_url  # noqa: E402
+from conveyor.testing import ServerMissing, Stack, databases, servers, stack_env  # noqa: E402  # noqa: E402
 
 ARCHS = ("llama", "qwen2", "qwen3")
+
+
+# ---- the service's servers, databases and processes (conveyor.testing) -------------------------
+# PostgreSQL and Redis come from DATABASE_URL / REDIS_URL, else the default local ports, else
+# throwaway servers from the local binaries; when those are missing too, the test fails saying
+# what to install. Each test gets its own freshly migrated database (cloned from a template)
+# and an empty Redis database.
+
+
+def _server(server: Callable[[], AbstractContextManager[str]]) -> Iterator[str]:
+    with ExitStack() as stack:
+        try:
+            url = stack.enter_context(server())
+        except ServerMissing as err:
+            pytest.fail(str(err))
+        yield url
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    yield from _server(servers.postgres_server)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[str]:
+    yield from _server(servers.redis_server)
+
+
+@pytest.fixture(scope="session")
+def template_database(postgres_server: str) -> Iterator[str]:
+    """A database migrated once; each test's database is a copy of it."""
+    with databases.migrated_template(postgres_server) as name:
+        yield name
+
+
+@pytest.fixture
+def database_url(postgres_server: str, template_database: str) -> Iterator[str]:
+    with databases.scratch_database(postgres_server, "conveyor_t_", template_database) as url:
+        yield normalize_database_url(url)
+
+
+@pytest.fixture
+def redis_url(redis_server: str) -> str:
+    return databases.random_redis_database(redis_server)
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory) -> Path:
+    """A tiny random-weight Llama with a ChatML tokenizer, served as `tiny` in service tests."""
+    return write_tiny_model(tmp_path_factory.mktemp("service-model") / "tiny", "llama")
+
+
+@pytest.fixture
+def stack(database_url: str, redis_url: str, tmp_path: Path) -> Iterator[Stack]:
+    s = Stack(env=stack_env(database_url, redis_url, tmp_path), root=tmp_path)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+# ---- models and transformers as the reference ---------------------------------------------------
 
 
 @pytest.fixture(scope="session")

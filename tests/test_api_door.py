@@ -10,8 +10,6 @@ import json
 import os
 import select
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,10 +21,18 @@ import pytest
 import sqlalchemy as sa
 import uvicorn
 from fastapi import FastAPI
-from services import Stack, batch_lines, download, free_port, wait_for, write_jsonl
 
 from api import errors
 from conveyor.settings import normalize_database_url, window_seconds
+from conveyor.testing import (
+    Stack,
+    batch_lines,
+    create_key,
+    download,
+    free_port,
+    wait_for,
+    write_jsonl,
+)
 
 MiB = 1024 * 1024
 HUGE = 64 * MiB
@@ -49,11 +55,7 @@ def api_pid(stack: Stack) -> int:
 
 
 def new_key(stack: Stack) -> str:
-    made = subprocess.run(
-        [sys.executable, "-m", "conveyor", "keys", "create", "--name", "door"],
-        env=stack.env, capture_output=True, text=True, check=True, timeout=60,
-    )  # fmt: skip
-    return made.stdout.strip().splitlines()[-1]
+    return create_key(stack.env, "door").secret
 
 
 def openai_error(r: httpx.Response | dict, status: int, code: str | None = None) -> dict:

@@ -5,8 +5,6 @@ the schema allows in: NUL, lone surrogates, over-long strings, deep nesting."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -19,7 +17,8 @@ from schemathesis.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from services import Stack, batch_lines, write_jsonl
+
+from conveyor.testing import Stack, batch_lines, create_key, write_jsonl
 
 CHECKS = [
     not_a_server_error,
@@ -35,11 +34,7 @@ def start_with_a_file(stack: Stack, tmp_path: Path) -> tuple[str, dict[str, str]
     """The API with keys required, a key's Authorization header and a file of its project."""
     stack.env["CONVEYOR_AUTH"] = "required"
     api = stack.start_api()
-    made = subprocess.run(
-        [sys.executable, "-m", "conveyor", "keys", "create", "--name", "fuzz"],
-        env=stack.env, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    auth = {"Authorization": f"Bearer {made.stdout.strip().splitlines()[-1]}"}
+    auth = create_key(stack.env, "fuzz").headers
     path = write_jsonl(tmp_path / "in.jsonl", batch_lines(2))
     with open(path, "rb") as f:
         file_id = httpx.post(

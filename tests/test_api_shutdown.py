@@ -11,7 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from services import Stack
+
+from conveyor.testing import Stack
 
 CHUNK = 64 * 1024
 

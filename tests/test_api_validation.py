@@ -7,21 +7,15 @@ than the tests); a test that needs an empty ledger (listing, pagination) uses `s
 from __future__ import annotations
 
 import json
-import os
-import random
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import pytest
-import redis
-import sqlalchemy as sa
-from services import REDIS_TEST_DBS, Stack, batch_lines, write_jsonl
 
 from conveyor.settings import normalize_database_url
+from conveyor.testing import Stack, batch_lines, databases, service_env, write_jsonl
 
 CHAT = "/v1/chat/completions"
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -34,34 +28,15 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 def api(
     postgres_server: str, redis_server: str, template_database: str, tmp_path_factory
 ) -> Iterator[str]:
-    admin = sa.create_engine(normalize_database_url(postgres_server), isolation_level="AUTOCOMMIT")
-    name = f"conveyor_t_{uuid.uuid4().hex[:10]}"
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"'))
-    parts = urlsplit(normalize_database_url(postgres_server))
-    database_url = urlunsplit(parts._replace(path=f"/{name}"))
-    redis_parts = urlsplit(redis_server)
-    redis_url = urlunsplit(redis_parts._replace(path=f"/{random.choice(REDIS_TEST_DBS)}"))
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    client.close()
-
     root = tmp_path_factory.mktemp("api-validation")
-    env = dict(os.environ)
-    env.update(
-        DATABASE_URL=database_url,
-        REDIS_URL=redis_url,
-        CONVEYOR_DATA_DIR=str(root / "data"),
-        PYTHONUNBUFFERED="1",
-    )
-    stack = Stack(env=env, root=root)
-    try:
-        yield stack.start_api()
-    finally:
-        stack.stop()
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    redis_url = databases.random_redis_database(redis_server)
+    with databases.scratch_database(postgres_server, "conveyor_t_", template_database) as url:
+        env = service_env(normalize_database_url(url), redis_url, root)
+        stack = Stack(env=env, root=root)
+        try:
+            yield stack.start_api()
+        finally:
+            stack.stop()
 
 
 # ---- helpers ---------------------------------------------------------------------------------

@@ -5,32 +5,23 @@ objects, and no key, an unknown key or a revoked key is a 401."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
-from services import Stack, batch_lines, wait_for, write_jsonl
+
+from conveyor.testing import Stack, batch_lines, create_key, run_keys, wait_for, write_jsonl
 
 
 def keys(stack: Stack, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "conveyor", "keys", *args],
-        env=stack.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_keys(stack.env, *args)
 
 
 def new_key(stack: Stack, name: str) -> tuple[str, str]:
     """(key id, secret) of a new key; the secret is alone on the last line of stdout."""
-    done = keys(stack, "create", "--name", name)
-    assert done.returncode == 0, done.stderr
-    *head, secret = done.stdout.strip().splitlines()
-    key_id = head[0].split()[1]
-    assert secret.startswith("cvy-") and " " not in secret
-    return key_id, secret
+    key = create_key(stack.env, name)
+    assert key.secret.startswith("cvy-") and " " not in key.secret
+    return key.id, key.secret
 
 
 class Project:

@@ -7,11 +7,11 @@ import io
 import json
 
 import pytest
-from services import batch_lines
 
 from conveyor.batch_format.errors import FileLimitError
 from conveyor.batch_format.lines import FileLimits, LineCounter
 from conveyor.batch_format.validation import validate
+from conveyor.testing import batch_lines
 
 CHAT = "/v1/chat/completions"
 

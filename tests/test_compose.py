@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -19,11 +18,12 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 import yaml
-from services import free_port
 
 from conveyor.cli import build_parser
 from conveyor.cli.common import EXIT_TOO_MANY_FAILED
 from conveyor.env_args import env_name, option_actions
+from conveyor.testing import Stack, create_key, free_port
+from deploy.api_requirements import ENGINE_PACKAGES, api_requirements
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -291,46 +291,18 @@ def _healthcheck_argv(test: list[str]) -> list[str]:
     return _argv(test[1:])
 
 
-class NativeStack:
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def log(self, name: str) -> str:
-        path = self.root / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-        log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 (lives with the process)
-        proc = subprocess.Popen(
-            argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        self.procs[name] = proc
-        return proc
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
-
-
 @pytest.fixture
-def native_stack(tmp_path: Path) -> Iterator[NativeStack]:
-    stack = NativeStack(tmp_path)
+def native_stack(tmp_path: Path) -> Iterator[Stack]:
+    """The services' processes; each runs with the environment compose would give it."""
+    stack = Stack(env=dict(os.environ), root=tmp_path)
     try:
         yield stack
     finally:
-        stack.stop()
+        stack.stop(grace=20)
 
 
 def test_compose_runs_natively_then_the_nightly_example(
-    native_stack: NativeStack,
+    native_stack: Stack,
     database_url: str,
     redis_url: str,
     chat_model: Path,
@@ -386,14 +358,7 @@ def test_compose_runs_natively_then_the_nightly_example(
             done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
             assert done.returncode == 0, f"{name}: {done.stdout}\n{done.stderr}"
             if name == "migrate":  # what the README has the operator do next: make a key
-                made = subprocess.run(
-                    _argv(["conveyor", "keys", "create", "--name", "nightly"]),
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                )
-                assert made.returncode == 0, made.stderr
-                api_key = made.stdout.strip().splitlines()[-1]
+                api_key = create_key(env, "nightly").secret
             continue
         proc = native_stack.start(name, argv, env)
         if "healthcheck" in svc:
@@ -411,7 +376,7 @@ def test_compose_runs_natively_then_the_nightly_example(
     while "tiny" not in [
         m["id"] for m in httpx.get(f"{api_url}/v1/models", headers=auth).json()["data"]
     ]:
-        assert native_stack.procs["worker"].poll() is None, native_stack.log("worker")
+        assert native_stack.named["worker"].poll() is None, native_stack.log("worker")
         assert time.time() < deadline, native_stack.log("worker")
         time.sleep(0.5)
 
@@ -467,9 +432,7 @@ def test_compose_runs_natively_then_the_nightly_example(
 
 BLOCK_ENGINE_PACKAGES = """
 import sys
-sys.path.insert(0, {deploy!r})
-from api_requirements import ENGINE_PACKAGES
-blocked = {{p.replace("-", "_") for p in ENGINE_PACKAGES}}
+blocked = {blocked!r}
 
 class NotInTheImage:
     def find_spec(self, name, path=None, target=None):
@@ -483,16 +446,12 @@ sys.meta_path.insert(0, NotInTheImage())
 def test_the_api_image_needs_no_engine_packages(tmp_path: Path) -> None:
     """The API image installs deploy/api_requirements.py's list: no torch, no transformers.
     Its commands (migrate, serve, ready) must run with those packages absent."""
-    sys.path.insert(0, str(ROOT / "deploy"))
-    try:
-        from api_requirements import ENGINE_PACKAGES, api_requirements
-    finally:
-        sys.path.pop(0)
     listed = api_requirements(ROOT / "pyproject.toml")
     assert not any(r.split(">")[0].split("[")[0] in ENGINE_PACKAGES for r in listed)
     assert any(r.startswith("fastapi") for r in listed)
 
-    prelude = BLOCK_ENGINE_PACKAGES.format(deploy=str(ROOT / "deploy"))
+    blocked = sorted(p.replace("-", "_") for p in ENGINE_PACKAGES)
+    prelude = BLOCK_ENGINE_PACKAGES.format(blocked=blocked)
     db = f"sqlite:///{tmp_path / 'ledger.db'}"
     run = [sys.executable, "-c", prelude + "from conveyor.cli import main; sys.exit(main())"]
     migrated = subprocess.run([*run, "migrate", "--database-url", db], capture_output=True)

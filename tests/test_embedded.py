@@ -15,7 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from services import batch_lines, free_port, write_jsonl
+
+from conveyor.testing import batch_lines, free_port, write_jsonl
 
 EXIT_BATCH_FAILED = 3
 EXIT_TOO_MANY_FAILED = 6

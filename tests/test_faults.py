@@ -5,9 +5,7 @@ one result."""
 from __future__ import annotations
 
 import json
-import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +14,9 @@ import httpx
 import pytest
 import redis
 import sqlalchemy as sa
-from services import (
+
+from conveyor.settings import normalize_database_url
+from conveyor.testing import (
     LocalPostgres,
     LocalRedis,
     Stack,
@@ -25,9 +25,8 @@ from services import (
     submit_batch,
     write_jsonl,
 )
-
-from conveyor.settings import normalize_database_url
-from ledger.migrate import upgrade
+from conveyor.testing.databases import migrate
+from conveyor.testing.servers import throwaway
 
 
 def get(api: str, batch_id: str) -> dict:
@@ -120,14 +119,9 @@ def private_redis(tmp_path: Path) -> Iterator[LocalRedis]:
 
 @pytest.fixture
 def private_postgres() -> Iterator[LocalPostgres]:
-    root = Path(tempfile.mkdtemp(prefix="conveyor-pg-"))  # not under pytest's root-only tree
-    server = LocalPostgres(root)
-    try:
-        upgrade(normalize_database_url(server.url))
+    with throwaway(LocalPostgres, "conveyor-pg-") as server:
+        migrate(server.url)
         yield server
-    finally:
-        server.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_redis_restarted_with_its_data_gone(

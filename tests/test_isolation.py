@@ -8,17 +8,23 @@ is quarantined. Other projects' batches complete meanwhile.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
 import sqlalchemy as sa
-from services import Stack, batch_lines, download, submit_batch, wait_for, write_jsonl
 
 from conveyor.settings import normalize_database_url
+from conveyor.testing import (
+    Stack,
+    batch_lines,
+    create_key,
+    download,
+    submit_batch,
+    wait_for,
+    write_jsonl,
+)
 from worker.runtime import ENGINE_FAILED_EXIT
 
 FAULTY_WORKER = str(Path(__file__).with_name("faulty_worker.py"))
@@ -91,15 +97,7 @@ def test_a_worker_whose_engine_fails_withdraws_hands_back_and_exits(
 
 def project_headers(stack: Stack, name: str) -> dict[str, str]:
     """The Authorization header of a new key of project `name`."""
-    done = subprocess.run(
-        [sys.executable, "-m", "conveyor", "keys", "create", "--name", name],
-        env=stack.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    return {"Authorization": f"Bearer {done.stdout.strip().splitlines()[-1]}"}
+    return create_key(stack.env, name).headers
 
 
 def completion_lines(n: int, prefix: str) -> list[dict]:

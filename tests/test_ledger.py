@@ -14,10 +14,10 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from services import batch_lines
 
 from conveyor.batch_format.validation import validate
 from conveyor.settings import normalize_database_url
+from conveyor.testing import batch_lines
 from ledger import intake, results, shard_lifecycle
 from ledger.db import Ledger
 from ledger.migrate import alembic_config

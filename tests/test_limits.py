@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-from services import Stack, batch_lines, download, wait_for, write_jsonl
+
+from conveyor.testing import Stack, batch_lines, download, wait_for, write_jsonl
 
 
 def upload(api: str, path: Path) -> httpx.Response:

@@ -4,14 +4,12 @@ latency goal is measured by `bench/load.py` (README), not asserted here."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import httpx
-from services import Stack, batch_lines, write_jsonl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from load import run_load  # noqa: E402
+from conveyor.testing import Stack, batch_lines, create_key, submit_batch, write_jsonl
+from conveyor.testing.load import run_load
 
 
 def test_fifty_clients_poll_a_10k_batch_without_errors(stack: Stack, tmp_path: Path) -> None:
@@ -22,31 +20,14 @@ def test_fifty_clients_poll_a_10k_batch_without_errors(stack: Stack, tmp_path: P
     )
     api = stack.start_api()
     stack.start_worker("w1", "echo", served="")
-    key = stack_key(stack)
-    auth = {"Authorization": f"Bearer {key}"}
+    key = create_key(stack.env, "load")
     path = write_jsonl(tmp_path / "in.jsonl", batch_lines(10_000, model="echo"))
-    with open(path, "rb") as f:
-        file_id = httpx.post(
-            f"{api}/v1/files", files={"file": f}, data={"purpose": "batch"}, headers=auth,
-            timeout=120,
-        ).json()["id"]  # fmt: skip
-    body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions"}
-    batch_id = httpx.post(f"{api}/v1/batches", json=body, headers=auth, timeout=120).json()["id"]
+    batch_id = submit_batch(api, path, headers=key.headers)
 
-    result = run_load(api, batch_id, users=50, max_seconds=300, api_key=key)
+    result = run_load(api, batch_id, users=50, max_seconds=300, api_key=key.secret)
     print(f"load: {result}")
     assert result.failures == 0, result
     assert result.status_requests > 50, result  # every client polled
-    batch = httpx.get(f"{api}/v1/batches/{batch_id}", headers=auth).json()
+    batch = httpx.get(f"{api}/v1/batches/{batch_id}", headers=key.headers).json()
     assert batch["status"] == "completed"
     assert batch["request_counts"] == {"total": 10_000, "completed": 10_000, "failed": 0}
-
-
-def stack_key(stack: Stack) -> str:
-    import subprocess
-
-    made = subprocess.run(
-        [sys.executable, "-m", "conveyor", "keys", "create", "--name", "load"],
-        env=stack.env, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return made.stdout.strip().splitlines()[-1]

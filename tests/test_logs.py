@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from services import Stack, batch_lines, submit_batch, wait_for, write_jsonl
+from conveyor.testing import Stack, batch_lines, submit_batch, wait_for, write_jsonl
 
 
 def json_lines(text: str) -> list[dict]:

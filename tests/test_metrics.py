@@ -8,7 +8,8 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from services import Stack, batch_lines, free_port, submit_batch, wait_for, write_jsonl
+
+from conveyor.testing import Stack, batch_lines, free_port, submit_batch, wait_for, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "conveyor-dashboard.json"

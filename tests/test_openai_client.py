@@ -10,7 +10,8 @@ from pathlib import Path
 import openai
 import pytest
 from openai.types import Batch, FileDeleted, FileObject
-from services import Stack, batch_lines, write_jsonl
+
+from conveyor.testing import Stack, batch_lines, write_jsonl
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 

@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-from services import Stack, batch_lines, write_jsonl
 
 from conveyor.cli.common import EXIT_ERROR, EXIT_OK
+from conveyor.testing import Stack, batch_lines, write_jsonl
 
 
 def submit(api: str, *args: str | Path) -> list[str]:

@@ -6,11 +6,11 @@ import json
 import time
 
 import sqlalchemy as sa
-from services import batch_lines
 from test_ledger import make_batch, tally_results
 
 from conveyor.batch_format.errors import INTERNAL_ERROR
 from conveyor.settings import normalize_database_url
+from conveyor.testing import batch_lines
 from ledger.db import Ledger
 from ledger.models import BatchRow, ResultRow, ShardRow
 from ledger.results import counts

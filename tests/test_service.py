@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 import sqlalchemy as sa
-from services import Stack, batch_lines, download, wait_for, write_jsonl
 
 from conveyor.settings import normalize_database_url
+from conveyor.testing import Stack, batch_lines, download, wait_for, write_jsonl
 
 
 def submit(api: str, path: Path, endpoint: str = "/v1/chat/completions") -> dict:

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import httpx
 import sqlalchemy as sa
-from services import Stack, batch_lines, submit_batch, wait_for, write_jsonl
 from test_metrics import scrape
 
 from conveyor.served_names import served_model_names
 from conveyor.settings import normalize_database_url
+from conveyor.testing import Stack, batch_lines, submit_batch, wait_for, write_jsonl
 from ledger.db import Ledger
 from ledger.models import BatchRow
 from ledger.serving import note_serving, unserved_models
