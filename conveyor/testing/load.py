@@ -48,38 +48,22 @@ def run_load(
         env = dict(os.environ)
         if api_key:
             env["CONVEYOR_API_KEY"] = api_key
+        options = {
+            "--users": users,
+            "--spawn-rate": spawn_rate,
+            "--host": api,
+            "--batch-id": batch_id,
+            "--run-time": f"{max_seconds}s",
+            "--csv": prefix,
+            "--exit-code-on-error": 0,
+            "--loglevel": "WARNING",
+        }
+        argv = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless"]
+        argv += [str(part) for pair in options.items() for part in pair]
+        argv += ["--only-summary", "--reset-stats"]  # count once all users are running
         started = time.monotonic()
         done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "locust",
-                "-f",
-                str(LOCUSTFILE),
-                "--headless",
-                "--users",
-                str(users),
-                "--spawn-rate",
-                str(spawn_rate),
-                "--host",
-                api,
-                "--batch-id",
-                batch_id,
-                "--run-time",
-                f"{max_seconds}s",
-                "--csv",
-                str(prefix),
-                "--only-summary",
-                "--reset-stats",  # count from the moment all users are running
-                "--exit-code-on-error",
-                "0",
-                "--loglevel",
-                "WARNING",
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=max_seconds + 60,
+            argv, env=env, capture_output=True, text=True, timeout=max_seconds + 60
         )
         seconds = time.monotonic() - started
         if done.returncode != 0:
