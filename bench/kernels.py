@@ -96,7 +96,7 @@ def main() -> dict:
         print(
             "no CUDA GPU on this machine: the Triton decode kernel benchmark needs one; "
             "the kernels' correctness is tested on the CPU interpreter "
-            "(tests/test_triton_kernels.py)"
+            "(tests/kernels/test_triton_kernels.py)"
         )
         result = {"skipped": "no CUDA GPU"}
         print(json.dumps(result))

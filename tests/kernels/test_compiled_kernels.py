@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
-from test_kernels import paged_setup
 
 from kernels import compiled_paged, get_attention_backend
 from kernels import torch_paged as ref
-from tests.conftest import assert_greedy_matches_hf_through
+from tests.hf_reference import assert_greedy_matches_hf_through
+from tests.kernels.test_kernels import paged_setup
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 32, 8
 

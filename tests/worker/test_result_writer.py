@@ -6,7 +6,6 @@ import json
 import time
 
 import sqlalchemy as sa
-from test_ledger import make_batch, tally_results
 
 from conveyor.batch_format.errors import INTERNAL_ERROR
 from conveyor.settings import normalize_database_url
@@ -15,6 +14,7 @@ from ledger.db import Ledger
 from ledger.models import BatchRow, ResultRow, ShardRow
 from ledger.results import counts
 from ledger.shard_lifecycle import claim_shard
+from tests.ledger.test_ledger import make_batch, tally_results
 from worker.writer import PendingResults, ResultWriter, WriteItem
 
 

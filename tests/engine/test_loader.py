@@ -54,7 +54,7 @@ def test_rope_scaling_from_the_config_is_applied(tmp_path):
     """A llama3-style rope_scaling changes outputs, and still matches transformers."""
     from conveyor.demo_model import write_tiny_model
     from engine import SamplingParams
-    from tests.conftest import hf_greedy
+    from tests.hf_reference import hf_greedy
 
     rope = {
         "rope_type": "llama3",

@@ -21,7 +21,7 @@ from conveyor.batch_format.request_line import (
 from conveyor.batch_format.result_lines import build_error_line, build_output_line
 from conveyor.batch_format.token_text import TokenDecoder
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Small engine settings: a short context and a small KV cache keep the tests fast on CPU.
 MAX_MODEL_LEN = 256
@@ -242,7 +242,7 @@ def test_text_that_is_valid_unicode_passes() -> None:
     assert parse_request_line(pair).messages == [
         {"role": "user", "content": "\U0001f600 and \U0001f600 with a NUL \x00"}
     ]
-    # body.model is checked by the ledger where it is stored (tests/test_api_validation.py)
+    # body.model is checked by the ledger where it is stored (tests/api/test_api_validation.py)
     model = line("a", CHAT_URL, {"model": "m\ud800", "messages": [{"role": "user", "content": ""}]})
     assert parse_request_line(model).model == "m\ud800"
 

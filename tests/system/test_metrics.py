@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conveyor.testing import Stack, batch_lines, free_port, submit_batch, wait_for, write_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "conveyor-dashboard.json"
 SYSTEM = "You are a meticulous evaluation assistant. " * 12  # several shared KV blocks
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.conftest import ARCHS, hf_logprobs, random_prompts
+from tests.hf_reference import ARCHS, hf_logprobs, random_prompts
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -10,10 +10,10 @@ from pathlib import Path
 import httpx
 import redis
 import sqlalchemy as sa
-from test_service import submit
 
 from conveyor.settings import normalize_database_url
 from conveyor.testing import Stack, batch_lines, download, wait_for, write_jsonl
+from tests.system.test_service import submit
 
 
 def ledger(stack: Stack) -> sa.Engine:

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import httpx
 import sqlalchemy as sa
-from test_metrics import scrape
 
 from conveyor.served_names import served_model_names
 from conveyor.settings import normalize_database_url
@@ -16,6 +15,7 @@ from conveyor.testing import Stack, batch_lines, submit_batch, wait_for, write_j
 from ledger.db import Ledger
 from ledger.models import BatchRow
 from ledger.serving import note_serving, unserved_models
+from tests.system.test_metrics import scrape
 
 
 def test_a_model_directory_is_served_under_its_name(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from engine.config import EngineConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import random_prompts
 
 from engine import LLM, SamplingParams
+from tests.hf_reference import random_prompts
 from worker.echo import EchoEngine
 from worker.engine_service import EngineJob, EngineService
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.conftest import ARCHS, hf_greedy, random_prompts
+from tests.hf_reference import ARCHS, hf_greedy, random_prompts
 
 PROMPTS = random_prompts(24, 1, 300, seed=1)
 MAX_TOKENS = [1 + (7 * i) % 24 for i in range(len(PROMPTS))]  # 1..24, mixed

@@ -7,7 +7,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.sampler import first_max_index
-from tests.conftest import hf_greedy, random_prompts
+from tests.hf_reference import hf_greedy, random_prompts
 
 PROMPTS = random_prompts(40, 4, 120, seed=5)
 

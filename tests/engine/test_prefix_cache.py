@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine import LLM, SamplingParams
-from tests.conftest import hf_greedy
+from tests.hf_reference import hf_greedy
 
 
 def test_shared_system_prompt_is_computed_once(checkpoints):

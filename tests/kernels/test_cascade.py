@@ -11,7 +11,7 @@ from kernels import AttentionMetadata, get_attention_backend
 from kernels import cascade as cascade_mod
 from kernels.cascade import plan_cascade
 from kernels.metadata import BatchTables
-from tests.conftest import assert_greedy_matches_hf_through
+from tests.hf_reference import assert_greedy_matches_hf_through
 
 BS = 8
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 32  # the compiled tests' shape: no second compile

@@ -25,7 +25,7 @@ from conveyor.env_args import env_name, option_actions
 from conveyor.testing import Stack, create_key, free_port
 from deploy.api_requirements import ENGINE_PACKAGES, api_requirements
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 CPU_OVERRIDE = ROOT / "docker-compose.cpu.yml"
 ENV_EXAMPLE = ROOT / ".env.example"

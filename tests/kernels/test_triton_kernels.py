@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from kernels import torch_paged as ref  # noqa: E402
 from kernels import triton_paged as tk  # noqa: E402
-from tests.conftest import assert_greedy_matches_hf_through  # noqa: E402
+from tests.hf_reference import assert_greedy_matches_hf_through  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
 HEAD_SIZES = (64, 80, 96, 128, 256)

@@ -8,13 +8,13 @@ from collections import defaultdict
 from pathlib import Path
 
 import sqlalchemy as sa
-from test_service import submit
-from test_service_recovery import assert_each_once, ledger, wait_results, worker_stats
 
 from conveyor.batch_format.prefix import prefix_key
 from conveyor.batch_format.request_line import parse_request_object
 from conveyor.dispatch.routing import owner
 from conveyor.testing import Stack, batch_lines, wait_for, write_jsonl
+from tests.system.test_service import submit
+from tests.system.test_service_recovery import assert_each_once, ledger, wait_results, worker_stats
 
 
 def systems_owned_by(workers: list[str]) -> list[str]:
