@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +14,24 @@ import httpx
 
 from conveyor.testing.stack import conveyor_argv
 from ledger.states import TERMINAL
+
+
+def chat_request(custom_id: str, model: str, system: str, user: str, max_tokens: int = 8) -> dict:
+    """One chat-completion request line of a batch file, greedy."""
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": model,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": user},
+            ],
+        },
+    }
 
 
 def batch_lines(
@@ -25,25 +43,12 @@ def batch_lines(
 ) -> list[dict]:
     """`n` chat-completion request lines, custom_ids `<prefix>-<i>`."""
     return [
-        {
-            "custom_id": f"{prefix}-{i}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {
-                "model": model,
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "messages": [
-                    {"role": "system", "content": system},
-                    {"role": "user", "content": f"question number {i} of {prefix}"},
-                ],
-            },
-        }
+        chat_request(f"{prefix}-{i}", model, system, f"question number {i} of {prefix}", max_tokens)
         for i in range(n)
     ]
 
 
-def write_jsonl(path: Path, lines: list) -> Path:
+def write_jsonl(path: Path, lines: Iterable) -> Path:
     with open(path, "w") as f:
         for line in lines:
             f.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
@@ -60,7 +65,8 @@ def upload_file(api: str, path: Path, headers: dict[str, str] | None = None) -> 
             headers=headers,
             timeout=120,
         )
-    upload.raise_for_status()
+    if upload.status_code != 200:
+        raise RuntimeError(f"the upload was answered {upload.status_code}: {upload.text}")
     return upload.json()["id"]
 
 

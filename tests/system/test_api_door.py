@@ -30,6 +30,7 @@ from conveyor.testing import (
     create_key,
     download,
     free_port,
+    upload_file,
     wait_for,
     write_jsonl,
 )
@@ -361,16 +362,7 @@ def test_json_bodies_are_bounded_in_size_and_depth(stack: Stack, tmp_path: Path)
 
 
 def upload(api: str, tmp_path: Path, headers: dict[str, str] | None = None, lines: int = 2) -> str:
-    path = write_jsonl(tmp_path / "in.jsonl", batch_lines(lines))
-    with open(path, "rb") as f:
-        r = httpx.post(
-            f"{api}/v1/files",
-            files={"file": (path.name, f)},
-            data={"purpose": "batch"},
-            headers=headers,
-        )
-    assert r.status_code == 200, r.text
-    return r.json()["id"]
+    return upload_file(api, write_jsonl(tmp_path / "in.jsonl", batch_lines(lines)), headers)
 
 
 def test_ids_and_parameters_the_ledger_cannot_hold_are_4xx(door: Stack, tmp_path: Path):
@@ -607,11 +599,7 @@ def test_deleting_a_batchs_files_erases_what_they_hold(
     stack.start_worker("w1", "echo", served="")
     lines = batch_lines(3, model="echo")
     lines[1]["body"]["temperature"] = -1  # fails alone: a line in the error file
-    path = write_jsonl(tmp_path / "in.jsonl", lines)
-    with open(path, "rb") as f:
-        file_id = httpx.post(
-            f"{api}/v1/files", files={"file": f}, data={"purpose": "batch"}
-        ).json()["id"]
+    file_id = upload_file(api, write_jsonl(tmp_path / "in.jsonl", lines))
     body = {"input_file_id": file_id, "endpoint": CHAT}
     batch = wait_for(api, httpx.post(f"{api}/v1/batches", json=body).json()["id"], timeout=120)
     assert batch["status"] == "completed", batch

@@ -18,7 +18,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from conveyor.testing import Stack, batch_lines, create_key, write_jsonl
+from conveyor.testing import Stack, batch_lines, create_key, upload_file, write_jsonl
 
 CHECKS = [
     not_a_server_error,
@@ -35,11 +35,7 @@ def start_with_a_file(stack: Stack, tmp_path: Path) -> tuple[str, dict[str, str]
     stack.env["CONVEYOR_AUTH"] = "required"
     api = stack.start_api()
     auth = create_key(stack.env, "fuzz").headers
-    path = write_jsonl(tmp_path / "in.jsonl", batch_lines(2))
-    with open(path, "rb") as f:
-        file_id = httpx.post(
-            f"{api}/v1/files", files={"file": f}, data={"purpose": "batch"}, headers=auth
-        ).json()["id"]
+    file_id = upload_file(api, write_jsonl(tmp_path / "in.jsonl", batch_lines(2)), auth)
     return api, auth, file_id
 
 
