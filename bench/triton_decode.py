@@ -6,21 +6,16 @@ bandwidth (the K/V bytes the kernel must read, over its time) against the device
 device-to-device copy bandwidth, and the time of `F.scaled_dot_product_attention` on contiguous
 K/V of the same size. Goal: >= 70% of copy bandwidth at batch 64 x 2048.
 
-    python bench/kernels.py
+    python bench/triton_decode.py
 
 On a machine without a CUDA GPU it says so and exits 0. The last line is one JSON object.
 """
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from report import print_result
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 CASES = [(64, 2048), (8, 32768)]
@@ -99,7 +94,7 @@ def main() -> dict:
             "(tests/kernels/test_triton_kernels.py)"
         )
         result = {"skipped": "no CUDA GPU"}
-        print(json.dumps(result))
+        print_result(result)
         return result
     device = torch.device("cuda")
     dtype = torch.bfloat16
@@ -142,7 +137,7 @@ def main() -> dict:
         "fraction_of_copy": headline,
         "cases": rows,
     }
-    print(json.dumps(result))
+    print_result(result)
     return result
 
 
