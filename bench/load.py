@@ -16,8 +16,6 @@ server) and a throwaway redis-server. The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import tempfile
 import time
 from collections.abc import Iterator
@@ -26,6 +24,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import httpx
+from machine import process_cpu_seconds
+from report import print_result
 
 from conveyor.demo_model import write_tiny_model
 from conveyor.settings import normalize_database_url
@@ -35,12 +35,6 @@ from conveyor.testing.load import LoadResult, run_load
 from conveyor.testing.servers import postgres_server, throwaway
 
 GOAL_P99_MS = 50.0
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -131,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"(goal < {GOAL_P99_MS:.0f} ms); all routes p99 {result.all_p99_ms:.0f} ms; the API "
         f"used {api_cores:.2f} cores on average"
     )
-    print(json.dumps(report))
+    print_result(report)
     return report
 
 
