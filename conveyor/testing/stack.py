@@ -84,9 +84,10 @@ class Stack:
     def log_tail(self, name: str, lines: int = 40) -> str:
         return "\n".join(self.log(name).splitlines()[-lines:])
 
-    def start_api(self, timeout: float = 60) -> str:
+    def start_api(self, *extra: str, timeout: float = 60) -> str:
+        """`conveyor serve EXTRA...` on a free port; its URL once /healthz answers."""
         port = free_port()
-        args = ["serve", "--host", "127.0.0.1", "--port", str(port)]
+        args = ["serve", "--host", "127.0.0.1", "--port", str(port), *extra]
         proc = self.start("api", conveyor_argv(args))
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout

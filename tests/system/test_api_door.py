@@ -514,19 +514,8 @@ def test_the_in_flight_limit_holds_on_the_embedded_ledger(stack: Stack, tmp_path
     env = {k: v for k, v in stack.env.items() if k not in ("DATABASE_URL", "REDIS_URL")}
     env.update(CONVEYOR_DATA_DIR=str(tmp_path / "embedded"), CONVEYOR_MAX_BATCHES_IN_FLIGHT="5")
     embedded = Stack(env=env, root=tmp_path)
-    port = free_port()
-    embedded._spawn("embedded", ["serve", "--no-worker", "--port", str(port)])
-    api = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{api}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, embedded.log("embedded")
-            time.sleep(0.2)
+        api = embedded.start_api("--no-worker")
         statuses = racing_creates(api, upload(api, tmp_path, lines=1000), 30)
         assert sorted(statuses) == [200] * 5 + [429] * 25, statuses
     finally:
