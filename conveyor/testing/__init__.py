@@ -7,7 +7,7 @@ machine, as a test or a bench run needs it.
   an emptied Redis database;
 - `stack`: the API and worker processes (`Stack`) and their environment;
 - `batches`: the client's side: batch files, submit, wait, download, API keys;
-- `load`: many clients polling a batch (locust).
+- `load`: many clients polling a batch (locust, of the dev extras).
 
 Nothing here needs pytest; the test suite's fixtures (tests/conftest.py) wrap these.
 """
