@@ -17,10 +17,11 @@ speed of the database itself for the rows we store.
     python bench/pipeline.py --shard-size 512 --concurrency 8 --keep
     python bench/pipeline.py --private-redis       # a throwaway redis-server of its own
 
-PostgreSQL comes from DATABASE_URL (default postgresql://postgres@127.0.0.1:5432/test): a
-database conveyor_bench_<hex> is created on that server and dropped at the end (--keep keeps
-it, and the logs). Redis comes from REDIS_URL (default redis://127.0.0.1:6379/), using the
-database index --redis-db (default 12), which is flushed first and last. The test suite flushes
+PostgreSQL comes from DATABASE_URL (default postgresql://postgres@127.0.0.1:5432/test; a
+throwaway server when nothing answers there): a database conveyor_bench_<hex> is created on
+that server and dropped at the end (--keep keeps it, and the logs). Redis comes from REDIS_URL
+(default redis://127.0.0.1:6379/), using the database index --redis-db (default 12), which is
+flushed first and last. The test suite flushes
 and reconciles random Redis databases 1-15 of the same server; a test that lands on the bench's
 database while it runs can drop shard messages (the batch then waits for the reconciler, tens
 of seconds). The report warns when a shard had to be re-sent; --private-redis avoids it.
@@ -41,33 +42,37 @@ import random
 import re
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import httpx
 import psycopg
-import redis
 import sqlalchemy as sa
+from machine import CpuMeter, git_state, loadavg, process_cpu_seconds, rate
+from report import print_result, table
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from conveyor.settings import normalize_database_url
+from conveyor.testing import LocalRedis, Stack, service_env, write_jsonl
+from conveyor.testing.batches import chat_request
+from conveyor.testing.databases import (
+    flush_redis,
+    migrate,
+    redis_database,
+    scratch_database,
+    with_database,
+)
+from conveyor.testing.servers import postgres_server, redis_server, throwaway
+from ledger.db import make_engine
+from ledger.states import TERMINAL
 
-from report import table  # noqa: E402
-
-from conveyor.settings import normalize_database_url  # noqa: E402
-from ledger.db import make_engine  # noqa: E402
-
-DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/test"
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/"
 GOAL_RPS = 2000.0
 ENDPOINT = "/v1/chat/completions"
 SYSTEM_PROMPTS = [
@@ -78,286 +83,142 @@ SYSTEM_PROMPTS = [
     "Reply in French.",
 ]
 COLUMNS = ("batch_id", "shard_index", "line", "custom_id", "raw", "attempts")
-TERMINAL = {"completed", "failed", "expired", "cancelled"}
-
-# ---------------------------------------------------------------------------------------------
-# small helpers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def with_database(url: str, name: str) -> str:
-    """`url` (any postgres scheme) pointing at database `name`, as a plain postgresql:// URL."""
-    parts = urlsplit(url)
-    scheme = parts.scheme.split("+", 1)[0]  # postgresql+psycopg:// (SQLAlchemy's form) too
-    scheme = "postgresql" if scheme in ("postgres", "postgresql") else scheme
-    return urlunsplit(parts._replace(scheme=scheme, path=f"/{name}"))
-
-
-def redis_with_db(url: str, db: int) -> str:
-    return urlunsplit(urlsplit(url)._replace(path=f"/{db}"))
-
-
-def proc_cpu(pid: int) -> float | None:
-    """CPU seconds (user + system) used so far by process `pid`; None if it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def loadavg() -> float | None:
-    try:
-        return float(Path("/proc/loadavg").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def git_state() -> str | None:
-    """The commit measured, with `+dirty` when the working tree has changes."""
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    except OSError:
-        return None
-    return (commit + ("+dirty" if dirty else "")) or None
-
-
-def rate(n: int, seconds: float) -> float:
-    return n / seconds if seconds > 0 else float("inf")
-
+WORKER = "bench-echo"
 
 # ---------------------------------------------------------------------------------------------
 # the deployment: a database, a Redis db, the API and one echo worker
 
 
 @dataclass
-class Stack:
+class Deployment:
+    stack: Stack
     server_url: str  # plain postgresql:// URL of the server's maintenance database
-    admin_url: str  # the same, for SQLAlchemy
-    db_name: str
     db_url: str  # plain postgresql:// URL of the bench database
-    redis_url: str
-    root: Path
-    env: dict[str, str] = field(default_factory=dict)
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
-    api_url: str = ""
-    db_created: bool = False
 
-    # ---- database and broker ----------------------------------------------------------------
-    def create_database(self) -> None:
-        from ledger.migrate import upgrade
+    @property
+    def db_name(self) -> str:
+        return urlsplit(self.db_url).path.lstrip("/")
 
-        admin = sa.create_engine(self.admin_url, isolation_level="AUTOCOMMIT")
-        self.db_created = True  # from here on, clean-up drops it (IF EXISTS)
-        try:
-            with admin.connect() as conn:
-                conn.execute(sa.text(f'CREATE DATABASE "{self.db_name}"'))
-        finally:
-            admin.dispose()
-        upgrade(normalize_database_url(self.db_url))
 
-    def drop_database(self) -> None:
-        if not self.db_created:
-            return
-        admin = sa.create_engine(self.admin_url, isolation_level="AUTOCOMMIT")
-        try:
-            with admin.connect() as conn:
-                conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)'))
-            self.db_created = False
-        finally:
-            admin.dispose()
-
-    def flush_redis(self) -> None:
-        client = redis.Redis.from_url(self.redis_url)
-        try:
-            client.flushdb()
-        finally:
-            client.close()
-
-    # ---- processes --------------------------------------------------------------------------
-    def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 (lives as long as the process)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "conveyor", *args],
-            env=self.env,
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: Ctrl-C here does not reach it
+@contextmanager
+def deployment(args: argparse.Namespace) -> Iterator[Deployment]:
+    """A fresh migrated database and an emptied Redis database (of a throwaway redis-server
+    with --private-redis), and a stack on them whose processes are stopped at exit; the
+    database and the logs are removed at exit unless --keep."""
+    root = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
+    with ExitStack() as on_exit:
+        on_exit.callback(clean_up, root, args.keep)
+        server = on_exit.enter_context(postgres_server())
+        if args.private_redis:
+            redis_url = on_exit.enter_context(throwaway(LocalRedis, "conveyor-redis-")).url
+        else:
+            redis_url = on_exit.enter_context(redis_server())
+        redis_url = redis_database(redis_url, args.redis_db)
+        on_exit.callback(flush_quietly, redis_url)
+        db_url = on_exit.enter_context(scratch_database(server, "conveyor_bench_", keep=args.keep))
+        if args.keep:
+            on_exit.callback(print, f"\nkept database {db_url} and logs under {root}")
+        print(
+            f"database {urlsplit(db_url).path[1:]} on {urlsplit(server).netloc}, redis {redis_url}"
         )
-        log.close()
-        self.procs[name] = proc
-        return proc
-
-    def log(self, name: str) -> str:
-        path = self.root / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def log_tail(self, name: str, lines: int = 40) -> str:
-        return "\n".join(self.log(name).splitlines()[-lines:])
-
-    def start_api(self, timeout: float = 60) -> None:
-        port = free_port()
-        proc = self.spawn("api", ["serve", "--host", "127.0.0.1", "--port", str(port)])
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"the API exited with {proc.returncode}:\n{self.log_tail('api')}"
-                )
-            try:
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    self.api_url = url
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(
-            f"the API did not answer /healthz in {timeout}s:\n{self.log_tail('api')}"
+        print(f"logs under {root}\n")
+        migrate(db_url)
+        env = service_env(normalize_database_url(db_url), redis_url, root)
+        env.update(
+            CONVEYOR_SHARD_SIZE=str(args.shard_size),
+            CONVEYOR_MAX_BATCH_LINES=str(max(50_000, args.num_requests)),
         )
-
-    def start_worker(self, concurrency: int, timeout: float = 120) -> None:
-        proc = self.spawn(
-            "worker",
-            [
-                "worker",
-                "--model",
-                "echo",
-                "--concurrency",
-                str(concurrency),
-                "--name",
-                "bench-echo",
-                "--loglevel",
-                "INFO",
-            ],
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"the worker exited with {proc.returncode}:\n{self.log_tail('worker')}"
-                )
-            if "ready." in self.log("worker"):  # Celery's consumer is connected
-                return
-            time.sleep(0.1)
-        raise RuntimeError(f"the worker was not ready in {timeout}s:\n{self.log_tail('worker')}")
-
-    def stop(self) -> None:
-        """SIGTERM every process group, then SIGKILL what is still there after 15 s."""
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
-        self.procs.clear()
+        stack = Stack(env=env, root=root)
+        on_exit.callback(stack.stop)
+        on_exit.enter_context(logs_on_failure(stack))
+        server_url = with_database(server, urlsplit(server).path.lstrip("/") or "postgres")
+        yield Deployment(stack, server_url, db_url)
 
 
-def start_private_redis(root: Path) -> tuple[str, subprocess.Popen]:
-    """A throwaway redis-server on a free port (no persistence), for runs that must not share
-    a Redis server with anything else."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("--private-redis needs redis-server on PATH")
-    port = free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        cwd=root,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return f"redis://127.0.0.1:{port}/", proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("the private redis-server did not start")
+def clean_up(root: Path, keep: bool) -> None:
+    if not keep:
+        shutil.rmtree(root, ignore_errors=True)
 
 
-class CpuMeter:
-    """CPU seconds spent by the API, the worker, the bench database's Postgres backends and
-    this client between successive marks.
+def flush_quietly(redis_url: str) -> None:
+    with contextlib.suppress(Exception):
+        flush_redis(redis_url)
 
-    Postgres backends come and go (the pools close overflow connections), so a thread samples
-    them every `interval` seconds and keeps each one's last reading: a backend that exits loses
-    at most its last `interval` of CPU from the count.
+
+@contextmanager
+def logs_on_failure(stack: Stack) -> Iterator[None]:
+    """On an error (not an interrupt), the last lines of the API's and the worker's logs."""
+    try:
+        yield
+    except Exception:
+        for name in ("api", WORKER):
+            if stack.log(name):
+                print(f"\n---- last lines of the {name} log ({stack.root / (name + '.log')}) ----")
+                print(stack.log_tail(name))
+        raise
+
+
+class PostgresBackends:
+    """CPU seconds of the Postgres backends serving one database.
+
+    Backends come and go (the pools close overflow connections), so a thread samples them
+    every `interval` seconds and keeps each one's last reading: a backend that exits loses at
+    most its last `interval` of CPU from the count.
     """
 
-    def __init__(self, stack: Stack, interval: float = 0.2) -> None:
-        self.stack = stack
-        self.interval = interval
-        self.pg_latest: dict[int, float] = {}
+    def __init__(self, server_url: str, db_name: str, interval: float = 0.2) -> None:
+        self.db_name, self.interval = db_name, interval
+        self.latest: dict[int, float] = {}
         self.lock = threading.Lock()
         self.stopped = threading.Event()
-        self.conn = psycopg.connect(stack.server_url, autocommit=True)
-        self.last = self._sample()
-        self.phases: dict[str, dict[str, float]] = {}
+        self.conn = psycopg.connect(server_url, autocommit=True)
         self.thread = threading.Thread(target=self._loop, daemon=True, name="bench-cpu")
         self.thread.start()
 
-    def _poll_postgres(self) -> None:
+    def _poll(self) -> None:
         with self.lock:
             try:
-                pids = [
-                    pid
-                    for (pid,) in self.conn.execute(
-                        "SELECT pid FROM pg_stat_activity WHERE datname = %s",
-                        (self.stack.db_name,),
-                    )
-                ]
+                query = "SELECT pid FROM pg_stat_activity WHERE datname = %s"
+                pids = [pid for (pid,) in self.conn.execute(query, (self.db_name,))]
             except psycopg.Error:
                 return
             for pid in pids:
-                cpu = proc_cpu(pid)
+                cpu = process_cpu_seconds(pid)
                 if cpu is not None:
-                    self.pg_latest[pid] = cpu
+                    self.latest[pid] = cpu
 
     def _loop(self) -> None:
         while not self.stopped.wait(self.interval):
-            self._poll_postgres()
+            self._poll()
 
-    def _sample(self) -> dict[str, float]:
-        self._poll_postgres()
-        out = {name: proc_cpu(p.pid) or 0.0 for name, p in self.stack.procs.items()}
+    def cpu_seconds(self) -> float:
+        self._poll()
         with self.lock:
-            out["postgres"] = sum(self.pg_latest.values())
-        out["client"] = time.process_time()
-        return out
-
-    def mark(self, phase: str) -> None:
-        now = self._sample()
-        self.phases[phase] = {k: v - self.last.get(k, 0.0) for k, v in now.items()}
-        self.last = now
+            return sum(self.latest.values())
 
     def close(self) -> None:
         self.stopped.set()
         self.thread.join(5)
         with self.lock:
             self.conn.close()
+
+
+def cpu_meter(d: Deployment, backends: PostgresBackends) -> CpuMeter:
+    """CPU seconds spent by the API, the worker, the bench database's Postgres backends and
+    this client between successive marks."""
+
+    def process(name: str):
+        pid = d.stack.named[name].pid
+        return lambda: process_cpu_seconds(pid) or 0.0
+
+    return CpuMeter(
+        {
+            "api": process("api"),
+            "worker": process(WORKER),
+            "postgres": backends.cpu_seconds,
+            "client": time.process_time,
+        }
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,27 +229,17 @@ def write_workload(path: Path, n: int, seed: int) -> int:
     """A chat-completions batch file of `n` short requests; returns its size in bytes."""
     rng = random.Random(seed)
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota"]
-    with open(path, "w") as f:
-        for i in range(n):
-            line = {
-                "custom_id": f"req-{i}",
-                "method": "POST",
-                "url": ENDPOINT,
-                "body": {
-                    "model": "echo",
-                    "max_tokens": 16,
-                    "temperature": 0,
-                    "messages": [
-                        {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)},
-                        {
-                            "role": "user",
-                            "content": f"question {i}: " + " ".join(rng.choices(words, k=6)),
-                        },
-                    ],
-                },
-            }
-            f.write(json.dumps(line) + "\n")
-    return path.stat().st_size
+    lines = (
+        chat_request(
+            f"req-{i}",
+            "echo",
+            rng.choice(SYSTEM_PROMPTS),
+            f"question {i}: " + " ".join(rng.choices(words, k=6)),
+            max_tokens=16,
+        )
+        for i in range(n)
+    )
+    return write_jsonl(path, lines).stat().st_size
 
 
 def request_rows(path: Path, batch_id: str, shard_size: int) -> list[tuple]:
@@ -427,82 +278,36 @@ def run_pipeline(
     stack: Stack,
     input_path: Path,
     output_path: Path,
-    n: int,
-    poll_interval: float,
-    timeout: float,
+    args: argparse.Namespace,
     cpu: CpuMeter,
 ) -> PipelineResult:
+    """Upload, create, poll until completed and download, each phase timed and marked."""
     client = httpx.Client(base_url=stack.api_url, timeout=httpx.Timeout(600.0, connect=10.0))
     try:
         t0 = time.perf_counter()
-        with open(input_path, "rb") as f:
-            r = client.post(
-                "/v1/files",
-                files={"file": (input_path.name, f, "application/jsonl")},
-                data={"purpose": "batch"},
-            )
-        r.raise_for_status()
-        file_id = r.json()["id"]
+        file_id = upload(client, input_path)
         upload_s = time.perf_counter() - t0
         cpu.mark("upload")
 
         t0 = time.perf_counter()
-        r = client.post(
-            "/v1/batches",
-            json={"input_file_id": file_id, "endpoint": ENDPOINT, "completion_window": "24h"},
-        )
-        r.raise_for_status()
-        batch = r.json()
+        batch = create(client, file_id)
         create_s = time.perf_counter() - t0
         create_returned_at = time.time()
         cpu.mark("create")
-        if batch["status"] == "failed":
-            raise RuntimeError(f"the batch failed validation: {batch.get('errors')}")
 
         t0 = time.perf_counter()
-        polls = 0
-        deadline = time.monotonic() + timeout
-        while batch["status"] not in TERMINAL:
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"batch {batch['id']} not done after {timeout}s: {batch['request_counts']}"
-                )
-            for name, proc in stack.procs.items():
-                if proc.poll() is not None:
-                    raise RuntimeError(
-                        f"{name} exited with {proc.returncode}:\n{stack.log_tail(name)}"
-                    )
-            time.sleep(poll_interval)
-            r = client.get(f"/v1/batches/{batch['id']}")
-            r.raise_for_status()
-            batch = r.json()
-            polls += 1
+        batch, polls = poll_until_done(client, stack, batch, args)
         processing_s = time.perf_counter() - t0
         completed_seen_at = time.time()
         cpu.mark("processing")
-        if batch["status"] != "completed":
-            raise RuntimeError(f"batch ended {batch['status']}: {batch}")
-        counts = batch["request_counts"]
-        if counts["completed"] != n or counts["failed"]:
-            raise RuntimeError(f"unexpected request counts {counts}")
-        if batch.get("error_file_id"):
-            raise RuntimeError("the batch has an error file; expected none")
+        check_completed(batch, args.num_requests)
 
         t0 = time.perf_counter()
-        size = 0
-        with (
-            client.stream("GET", f"/v1/files/{batch['output_file_id']}/content") as resp,
-            open(output_path, "wb") as out,
-        ):
-            resp.raise_for_status()
-            for chunk in resp.iter_bytes(1 << 20):
-                out.write(chunk)
-                size += len(chunk)
+        size = download(client, batch["output_file_id"], output_path)
         download_s = time.perf_counter() - t0
         cpu.mark("download")
     finally:
         client.close()
-
     return PipelineResult(
         upload_s,
         create_s,
@@ -514,6 +319,75 @@ def run_pipeline(
         completed_seen_at,
         polls,
     )
+
+
+def upload(client: httpx.Client, input_path: Path) -> str:
+    with open(input_path, "rb") as f:
+        r = client.post(
+            "/v1/files",
+            files={"file": (input_path.name, f, "application/jsonl")},
+            data={"purpose": "batch"},
+        )
+    r.raise_for_status()
+    return r.json()["id"]
+
+
+def create(client: httpx.Client, file_id: str) -> dict:
+    r = client.post(
+        "/v1/batches",
+        json={"input_file_id": file_id, "endpoint": ENDPOINT, "completion_window": "24h"},
+    )
+    r.raise_for_status()
+    batch = r.json()
+    if batch["status"] == "failed":
+        raise RuntimeError(f"the batch failed validation: {batch.get('errors')}")
+    return batch
+
+
+def poll_until_done(
+    client: httpx.Client, stack: Stack, batch: dict, args: argparse.Namespace
+) -> tuple[dict, int]:
+    """The batch once it is finished, and how many polls that took."""
+    polls = 0
+    deadline = time.monotonic() + args.timeout
+    while batch["status"] not in TERMINAL:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"batch {batch['id']} not done after {args.timeout}s: {batch['request_counts']}"
+            )
+        for name, proc in stack.named.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{stack.log_tail(name)}")
+        time.sleep(args.poll_interval)
+        r = client.get(f"/v1/batches/{batch['id']}")
+        r.raise_for_status()
+        batch = r.json()
+        polls += 1
+    return batch, polls
+
+
+def check_completed(batch: dict, n: int) -> None:
+    if batch["status"] != "completed":
+        raise RuntimeError(f"batch ended {batch['status']}: {batch}")
+    counts = batch["request_counts"]
+    if counts["completed"] != n or counts["failed"]:
+        raise RuntimeError(f"unexpected request counts {counts}")
+    if batch.get("error_file_id"):
+        raise RuntimeError("the batch has an error file; expected none")
+
+
+def download(client: httpx.Client, file_id: str, output_path: Path) -> int:
+    """Stream a file to `output_path`; returns its size."""
+    size = 0
+    with (
+        client.stream("GET", f"/v1/files/{file_id}/content") as resp,
+        open(output_path, "wb") as out,
+    ):
+        resp.raise_for_status()
+        for chunk in resp.iter_bytes(1 << 20):
+            out.write(chunk)
+            size += len(chunk)
+    return size
 
 
 def verify_output(path: Path, n: int) -> None:
@@ -605,59 +479,12 @@ def db_baseline(db_url: str, rows: list[tuple], repeats: int, chunk: int) -> dic
     columns, constraints, indexes, foreign key): SQLAlchemy executemany in chunks of `chunk`
     rows in one transaction (what intake does), and psycopg COPY FROM STDIN."""
     batch_id = rows[0][0]
-    ddl = [
-        f"CREATE TABLE {SCRATCH} (LIKE requests INCLUDING CONSTRAINTS INCLUDING INDEXES)",
-        f"ALTER TABLE {SCRATCH} ALTER COLUMN id ADD GENERATED BY DEFAULT AS IDENTITY",
-        f"ALTER TABLE {SCRATCH} ADD FOREIGN KEY (batch_id) REFERENCES batches (id) "
-        "ON DELETE CASCADE",
-    ]
     engine = make_engine(normalize_database_url(db_url))  # the ledger's own engine settings
     try:
-        with engine.begin() as conn:
-            conn.execute(
-                sa.text(
-                    "INSERT INTO batches (id, input_file_id, endpoint, completion_window, "
-                    "status, total, created_at) VALUES (:id, 'file-bench', :e, '24h', "
-                    "'completed', :n, :t)"
-                ),
-                {"id": batch_id, "e": ENDPOINT, "n": len(rows), "t": int(time.time())},
-            )
-            for stmt in ddl:
-                conn.execute(sa.text(stmt))
-        scratch = sa.Table(SCRATCH, sa.MetaData(), autoload_with=engine)
-        dicts = [dict(zip(COLUMNS, r, strict=True)) for r in rows]
-
-        def truncate() -> None:
-            with engine.begin() as conn:
-                conn.execute(sa.text(f"TRUNCATE {SCRATCH} RESTART IDENTITY"))
-
-        sa_times = []
-        for _ in range(repeats):
-            truncate()
-            t0 = time.perf_counter()
-            with engine.begin() as conn:
-                for start in range(0, len(dicts), chunk):
-                    conn.execute(sa.insert(scratch), dicts[start : start + chunk])
-            sa_times.append(time.perf_counter() - t0)
-
-        copy_times = []
-        copy_sql = f"COPY {SCRATCH} ({', '.join(COLUMNS)}) FROM STDIN"
-        for _ in range(repeats):
-            truncate()
-            with psycopg.connect(db_url) as pconn:
-                t0 = time.perf_counter()
-                with pconn.cursor() as cur, cur.copy(copy_sql) as copy:
-                    for row in rows:
-                        copy.write_row(row)
-                pconn.commit()
-                copy_times.append(time.perf_counter() - t0)
-
-        with engine.begin() as conn:
-            n = conn.execute(sa.text(f"SELECT count(*) FROM {SCRATCH}")).scalar_one()
-            if n != len(rows):
-                raise AssertionError(f"COPY stored {n} rows, expected {len(rows)}")
-            conn.execute(sa.text(f"DROP TABLE {SCRATCH}"))
-            conn.execute(sa.text("DELETE FROM batches WHERE id = :id"), {"id": batch_id})
+        create_scratch(engine, batch_id, len(rows))
+        sa_times = time_executemany(engine, rows, repeats, chunk)
+        copy_times = time_copy(engine, db_url, rows, repeats)
+        drop_scratch(engine, batch_id, len(rows))
     finally:
         engine.dispose()
     return {
@@ -666,6 +493,71 @@ def db_baseline(db_url: str, rows: list[tuple], repeats: int, chunk: int) -> dic
         "copy_s": min(copy_times),
         "copy_s_all": copy_times,
     }
+
+
+def create_scratch(engine: sa.Engine, batch_id: str, n: int) -> None:
+    """The scratch table, and the batch its rows belong to."""
+    ddl = [
+        f"CREATE TABLE {SCRATCH} (LIKE requests INCLUDING CONSTRAINTS INCLUDING INDEXES)",
+        f"ALTER TABLE {SCRATCH} ALTER COLUMN id ADD GENERATED BY DEFAULT AS IDENTITY",
+        f"ALTER TABLE {SCRATCH} ADD FOREIGN KEY (batch_id) REFERENCES batches (id) "
+        "ON DELETE CASCADE",
+    ]
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO batches (id, input_file_id, endpoint, completion_window, "
+                "status, total, created_at) VALUES (:id, 'file-bench', :e, '24h', "
+                "'completed', :n, :t)"
+            ),
+            {"id": batch_id, "e": ENDPOINT, "n": n, "t": int(time.time())},
+        )
+        for stmt in ddl:
+            conn.execute(sa.text(stmt))
+
+
+def truncate_scratch(engine: sa.Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"TRUNCATE {SCRATCH} RESTART IDENTITY"))
+
+
+def time_executemany(engine: sa.Engine, rows: list[tuple], repeats: int, chunk: int) -> list:
+    scratch = sa.Table(SCRATCH, sa.MetaData(), autoload_with=engine)
+    dicts = [dict(zip(COLUMNS, r, strict=True)) for r in rows]
+    times = []
+    for _ in range(repeats):
+        truncate_scratch(engine)
+        t0 = time.perf_counter()
+        with engine.begin() as conn:
+            for start in range(0, len(dicts), chunk):
+                conn.execute(sa.insert(scratch), dicts[start : start + chunk])
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def time_copy(engine: sa.Engine, db_url: str, rows: list[tuple], repeats: int) -> list:
+    times = []
+    copy_sql = f"COPY {SCRATCH} ({', '.join(COLUMNS)}) FROM STDIN"
+    for _ in range(repeats):
+        truncate_scratch(engine)
+        with psycopg.connect(db_url) as pconn:
+            t0 = time.perf_counter()
+            with pconn.cursor() as cur, cur.copy(copy_sql) as copy:
+                for row in rows:
+                    copy.write_row(row)
+            pconn.commit()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def drop_scratch(engine: sa.Engine, batch_id: str, n: int) -> None:
+    """Check that COPY stored every row, then drop the table and its batch."""
+    with engine.begin() as conn:
+        stored = conn.execute(sa.text(f"SELECT count(*) FROM {SCRATCH}")).scalar_one()
+        if stored != n:
+            raise AssertionError(f"COPY stored {stored} rows, expected {n}")
+        conn.execute(sa.text(f"DROP TABLE {SCRATCH}"))
+        conn.execute(sa.text("DELETE FROM batches WHERE id = :id"), {"id": batch_id})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -707,114 +599,62 @@ def _raise_on_signal(signum, _frame) -> None:
     raise SystemExit(128 + signum)  # run the `finally` clean-up on SIGTERM / SIGHUP too
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _raise_on_signal)
-    n = args.num_requests
+def _raise_on_signal(signum, _frame) -> None:
+    raise SystemExit(128 + signum)  # run the `finally` clean-up on SIGTERM / SIGHUP too
 
-    server_url = os.environ.get("DATABASE_URL") or DEFAULT_DATABASE_URL
-    db_name = f"conveyor_bench_{uuid.uuid4().hex[:10]}"
-    db_url = with_database(server_url, db_name)
-    root = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
-    private_redis = None
-    if args.private_redis:
-        redis_server, private_redis = start_private_redis(root)
-    else:
-        redis_server = os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
-    redis_url = redis_with_db(redis_server, args.redis_db)
-    stack = Stack(
-        server_url=with_database(server_url, urlsplit(server_url).path.lstrip("/") or "postgres"),
-        admin_url=normalize_database_url(server_url),
-        db_name=db_name,
-        db_url=db_url,
-        redis_url=redis_url,
-        root=root,
-    )
-    stack.env = dict(os.environ)
-    stack.env.update(
-        DATABASE_URL=db_url,
-        REDIS_URL=redis_url,
-        CONVEYOR_DATA_DIR=str(root / "data"),
-        CONVEYOR_SHARD_SIZE=str(args.shard_size),
-        CONVEYOR_MAX_BATCH_LINES=str(max(50_000, n)),
-        PYTHONUNBUFFERED="1",
-    )
-    load_before = loadavg()
-    code = git_state()
-    failed = True
-    cpu: CpuMeter | None = None
-    interrupted = False
+
+@dataclass
+class Measured:
+    """What one bench run measured."""
+
+    input_bytes: int
+    startup_s: float
+    res: PipelineResult
+    cpu: CpuMeter
+    timeline: Timeline
+    tasks: list[float]
+    base: dict | None
+
+
+def measure(args: argparse.Namespace, d: Deployment) -> Measured:
+    """Write the workload, start the stack, run the batch through it and check the output,
+    then (with the stack stopped) the database baseline."""
+    stack, root, n = d.stack, d.stack.root, args.num_requests
+    input_path = root / "input.jsonl"
+    input_bytes = write_workload(input_path, n, args.seed)
+
+    t0 = time.perf_counter()
+    stack.start_api()
+    stack.start_worker(WORKER, "echo", "--concurrency", str(args.concurrency), served="")
+    startup_s = time.perf_counter() - t0
+
+    backends = PostgresBackends(d.server_url, d.db_name)
     try:
-        print(
-            f"pipeline bench: {n:,} requests, shard size {args.shard_size}, worker concurrency "
-            f"{args.concurrency}, {os.cpu_count()} CPUs, load average {load_before}, code {code}"
-        )
-        print(f"database {db_name} on {urlsplit(server_url).netloc}, redis {redis_url}")
-        print(f"logs under {root}\n")
-        stack.create_database()
-        stack.flush_redis()
-        input_path = root / "input.jsonl"
-        input_bytes = write_workload(input_path, n, args.seed)
-
-        t0 = time.perf_counter()
-        stack.start_api()
-        stack.start_worker(args.concurrency)
-        startup_s = time.perf_counter() - t0
-
-        cpu = CpuMeter(stack)
-        res = run_pipeline(
-            stack, input_path, root / "output.jsonl", n, args.poll_interval, args.timeout, cpu
-        )
-        cpu.close()
-        verify_output(root / "output.jsonl", n)
-        timeline = Timeline.read(db_url, res.batch_id)
-        tasks = shard_task_seconds(stack.log("worker"))
-        stack.stop()
-
-        base = None
-        if not args.skip_baseline:
-            rows = request_rows(input_path, "batch_bench_baseline", args.shard_size)
-            base = db_baseline(db_url, rows, args.db_repeats, chunk=2000)
-        failed = False
-    except (KeyboardInterrupt, SystemExit):
-        interrupted = True
-        raise
+        cpu = cpu_meter(d, backends)
+        res = run_pipeline(stack, input_path, root / "output.jsonl", args, cpu)
     finally:
-        if cpu is not None:
-            cpu.close()
-        stack.stop()
-        if failed and not interrupted:
-            for name in ("api", "worker"):
-                if stack.log(name):
-                    print(f"\n---- last lines of the {name} log ({root / (name + '.log')}) ----")
-                    print(stack.log_tail(name))
-        with contextlib.suppress(Exception):
-            stack.flush_redis()
-        if private_redis is not None:
-            private_redis.terminate()
-            try:
-                private_redis.wait(10)
-            except subprocess.TimeoutExpired:
-                private_redis.kill()
-        if args.keep:
-            print(f"\nkept database {db_url} and logs under {root}")
-        else:
-            try:
-                stack.drop_database()
-            except Exception as err:
-                print(f"could not drop database {db_name}: {err}", file=sys.stderr)
-            shutil.rmtree(root, ignore_errors=True)
+        backends.close()
+    verify_output(root / "output.jsonl", n)
+    timeline = Timeline.read(d.db_url, res.batch_id)
+    tasks = shard_task_seconds(stack.log(WORKER))
+    stack.stop()
 
-    # ---- report ----------------------------------------------------------------------------
-    total_rps = rate(n, res.total_s)
-    overhead_ms = res.total_s * 1000 / n
+    base = None
+    if not args.skip_baseline:
+        rows = request_rows(input_path, "batch_bench_baseline", args.shard_size)
+        base = db_baseline(d.db_url, rows, args.db_repeats, chunk=2000)
+    return Measured(input_bytes, startup_s, res, cpu, timeline, tasks, base)
+
+
+CPU_COLUMNS = ("api", "worker", "postgres", "client")
+
+
+def print_phases(n: int, m: Measured) -> None:
+    res = m.res
     print(
-        f"input {input_bytes / 1e6:.1f} MB, output {res.output_bytes / 1e6:.1f} MB; stack up in "
-        f"{startup_s:.1f}s; {n:,} unique custom_ids came back\n"
+        f"input {m.input_bytes / 1e6:.1f} MB, output {res.output_bytes / 1e6:.1f} MB; stack up "
+        f"in {m.startup_s:.1f}s; {n:,} unique custom_ids came back\n"
     )
-
-    cpu_cols = ("api", "worker", "postgres", "client")
     rows = []
     for phase, seconds in (
         ("upload", res.upload_s),
@@ -823,32 +663,32 @@ def main(argv=None) -> dict:
         ("download", res.download_s),
         ("end to end", res.total_s),
     ):
-        key = phase.split()[0]
-        spent = cpu.phases.get(key)
+        spent = m.cpu.phases.get(phase.split()[0])
         if spent is None:  # the end-to-end row sums the phases
-            spent = {c: sum(p.get(c, 0.0) for p in cpu.phases.values()) for c in cpu_cols}
+            spent = {c: sum(p.get(c, 0.0) for p in m.cpu.phases.values()) for c in CPU_COLUMNS}
         rows.append(
             (
                 phase,
                 f"{seconds:.3f}",
                 f"{rate(n, seconds):,.0f}",
                 f"{seconds * 1e6 / n:,.0f}",
-                *(f"{spent.get(c, 0.0):.2f}" for c in cpu_cols),
+                *(f"{spent.get(c, 0.0):.2f}" for c in CPU_COLUMNS),
             )
         )
-    table(
-        rows,
-        ("phase", "seconds", "req/s", "us/req", *(f"cpu {c} s" for c in cpu_cols)),
-    )
+    table(rows, ("phase", "seconds", "req/s", "us/req", *(f"cpu {c} s" for c in CPU_COLUMNS)))
 
-    queue_delay = timeline.first_start - res.create_returned_at
+
+def print_inside(args: argparse.Namespace, m: Measured) -> None:
+    """When the work happened inside the processing phase, from the ledger and the worker."""
+    res, timeline, tasks = m.res, m.timeline, m.tasks
     work_s = timeline.last_result - timeline.first_start
-    tail_s = res.completed_seen_at - timeline.last_result
     print(
-        f"\ninside processing (from the ledger): first shard started {queue_delay:+.3f}s after "
-        f"create returned; shards ran {timeline.first_start:.3f}->{timeline.last_result:.3f} = "
-        f"{work_s:.3f}s ({rate(n, work_s):,.0f} req/s); last result to completed seen "
-        f"{tail_s:.3f}s (poll every {args.poll_interval}s, {res.polls} polls)"
+        f"\ninside processing (from the ledger): first shard started "
+        f"{timeline.first_start - res.create_returned_at:+.3f}s after create returned; shards "
+        f"ran {timeline.first_start:.3f}->{timeline.last_result:.3f} = {work_s:.3f}s "
+        f"({rate(args.num_requests, work_s):,.0f} req/s); last result to completed seen "
+        f"{res.completed_seen_at - timeline.last_result:.3f}s (poll every "
+        f"{args.poll_interval}s, {res.polls} polls)"
     )
     print(
         f"{timeline.shards} shards, {timeline.shard_attempts} shard runs, "
@@ -871,40 +711,53 @@ def main(argv=None) -> dict:
             f"{tasks_sorted[-1] * 1e3:.1f} ms; task threads busy ~{busy:.0%} of the shard phase"
         )
 
+
+def print_baseline(args: argparse.Namespace, base: dict, total_rps: float) -> tuple:
+    """The raw database speed for the same rows; returns its two rates."""
+    n = args.num_requests
+    sa_rps, copy_rps = rate(n, base["sa_s"]), rate(n, base["copy_s"])
+    print(f"\nraw database speed for the same {n:,} rows (best of {args.db_repeats}):")
+    table(
+        [
+            (
+                "SQLAlchemy executemany (2,000-row chunks)",
+                f"{base['sa_s']:.3f}",
+                f"{sa_rps:,.0f}",
+                " ".join(f"{t:.3f}" for t in base["sa_s_all"]),
+            ),
+            (
+                "psycopg COPY FROM STDIN",
+                f"{base['copy_s']:.3f}",
+                f"{copy_rps:,.0f}",
+                " ".join(f"{t:.3f}" for t in base["copy_s_all"]),
+            ),
+        ],
+        ("insert into a scratch `requests`", "seconds", "rows/s", "all runs"),
+    )
+    print(
+        f"end to end is {total_rps / copy_rps:.1%} of the COPY rate and "
+        f"{total_rps / sa_rps:.1%} of the executemany rate"
+    )
+    return sa_rps, copy_rps
+
+
+def report(args: argparse.Namespace, m: Measured, load_before: float | None, code) -> dict:
+    """Print the report; returns the headline numbers."""
+    n, res, timeline, tasks = args.num_requests, m.res, m.timeline, m.tasks
+    total_rps = rate(n, res.total_s)
+    print_phases(n, m)
+    print_inside(args, m)
     goal_met = total_rps >= GOAL_RPS
     print(
         f"\ngoal >= {GOAL_RPS:,.0f} requests/s end to end: "
         f"{'MET' if goal_met else 'NOT MET'} ({total_rps:,.0f} requests/s, "
-        f"{overhead_ms:.3f} ms of overhead per request)"
+        f"{res.total_s * 1000 / n:.3f} ms of overhead per request)"
     )
-
     sa_rps = copy_rps = None
-    if base is not None:
-        sa_rps, copy_rps = rate(n, base["sa_s"]), rate(n, base["copy_s"])
-        print(f"\nraw database speed for the same {n:,} rows (best of {args.db_repeats}):")
-        table(
-            [
-                (
-                    "SQLAlchemy executemany (2,000-row chunks)",
-                    f"{base['sa_s']:.3f}",
-                    f"{sa_rps:,.0f}",
-                    " ".join(f"{t:.3f}" for t in base["sa_s_all"]),
-                ),
-                (
-                    "psycopg COPY FROM STDIN",
-                    f"{base['copy_s']:.3f}",
-                    f"{copy_rps:,.0f}",
-                    " ".join(f"{t:.3f}" for t in base["copy_s_all"]),
-                ),
-            ],
-            ("insert into a scratch `requests`", "seconds", "rows/s", "all runs"),
-        )
-        print(
-            f"end to end is {total_rps / copy_rps:.1%} of the COPY rate and "
-            f"{total_rps / sa_rps:.1%} of the executemany rate"
-        )
-
-    result = {
+    if m.base is not None:
+        sa_rps, copy_rps = print_baseline(args, m.base, total_rps)
+    work_s = timeline.last_result - timeline.first_start
+    return {
         "bench": "pipeline",
         "quick": args.quick,
         "num_requests": n,
@@ -920,16 +773,17 @@ def main(argv=None) -> dict:
         "download_s": round(res.download_s, 4),
         "total_s": round(res.total_s, 4),
         "e2e_req_s": round(total_rps, 1),
-        "overhead_ms_per_request": round(overhead_ms, 4),
+        "overhead_ms_per_request": round(res.total_s * 1000 / n, 4),
         "shard_phase_s": round(work_s, 4),
         "shard_phase_req_s": round(rate(n, work_s), 1),
-        "queue_delay_s": round(queue_delay, 4),
-        "finalize_tail_s": round(tail_s, 4),
+        "queue_delay_s": round(timeline.first_start - res.create_returned_at, 4),
+        "finalize_tail_s": round(res.completed_seen_at - timeline.last_result, 4),
         "max_enqueues_per_shard": timeline.max_enqueues,
         "private_redis": args.private_redis,
         "shard_task_mean_ms": round(statistics.mean(tasks) * 1e3, 2) if tasks else None,
         "cpu_s": {
-            phase: {k: round(v, 3) for k, v in spent.items()} for phase, spent in cpu.phases.items()
+            phase: {k: round(v, 3) for k, v in spent.items()}
+            for phase, spent in m.cpu.phases.items()
         },
         "sa_executemany_rows_s": round(sa_rps, 1) if sa_rps else None,
         "copy_rows_s": round(copy_rps, 1) if copy_rps else None,
@@ -937,7 +791,22 @@ def main(argv=None) -> dict:
         "goal_req_s": GOAL_RPS,
         "goal_met": goal_met,
     }
-    print(json.dumps(result), flush=True)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_on_signal)
+    load_before, code = loadavg(), git_state()
+    print(
+        f"pipeline bench: {args.num_requests:,} requests, shard size {args.shard_size}, worker "
+        f"concurrency {args.concurrency}, {os.cpu_count()} CPUs, load average {load_before}, "
+        f"code {code}"
+    )
+    with deployment(args) as d:
+        measured = measure(args, d)
+    result = report(args, measured, load_before, code)
+    print_result(result)
     return result
 
 

@@ -35,32 +35,23 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from engine_vs_hf import (  # noqa: E402
-    CpuMeter,
+from machine import CpuMeter, allocator
+from random_llama import (
+    BenchModel,
     ModelShape,
     add_model_arguments,
-    allocator,
+    add_run_arguments,
     hf_generate_batch,
-    load_hf,
-    model_overrides,
-    prepare_model,
-    print_setup,
+    set_up,
 )
-from report import rule, table  # noqa: E402
+from report import print_result, rule, table
 
-from engine import LLM, SamplingParams  # noqa: E402
+from engine import LLM, SamplingParams
 
 MIB = 1 << 20
 
@@ -254,30 +245,36 @@ def warm_up(llm: LLM, vocab: int, seed: int) -> None:
     )
 
 
-def run_engine(llm: LLM, wl: Workload, label: str, progress_s: float) -> EngineRun:
-    """Submit every request, then step until all finish, sampling KV use after each schedule."""
-    params = SamplingParams(temperature=0, max_tokens=wl.output_len, ignore_eos=True)
-    peak = {"blocks": 0, "running_at_peak": 0, "max_running": 0}
-    samples: list[int] = []
-    schedule = llm.scheduler.schedule
+class KvSampler:
+    """KV blocks in use right after every scheduling decision of `llm`, and their peak."""
 
-    def sampled_schedule():
-        scheduled = schedule()
-        s = llm.stats()
-        samples.append(s.kv_blocks_used)
-        if s.kv_blocks_used > peak["blocks"]:
-            peak["blocks"], peak["running_at_peak"] = s.kv_blocks_used, s.num_running
-        peak["max_running"] = max(peak["max_running"], s.num_running)
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        self.samples: list[int] = []
+        self.peak_blocks = self.running_at_peak = self.max_running = 0
+        self.schedule = llm.scheduler.schedule
+        llm.scheduler.schedule = self.sampled_schedule
+
+    def sampled_schedule(self):
+        scheduled = self.schedule()
+        s = self.llm.stats()
+        self.samples.append(s.kv_blocks_used)
+        if s.kv_blocks_used > self.peak_blocks:
+            self.peak_blocks, self.running_at_peak = s.kv_blocks_used, s.num_running
+        self.max_running = max(self.max_running, s.num_running)
         return scheduled
 
-    llm.scheduler.schedule = sampled_schedule
-    before = llm.stats()
+    def remove(self) -> None:
+        self.llm.scheduler.__dict__.pop("schedule", None)
+
+
+def step_until_done(
+    llm: LLM, wl: Workload, label: str, progress_s: float
+) -> tuple[dict[str, list[int]], StepTimes]:
+    """Step until every request finished: their outputs, and the steps' times."""
     outputs: dict[str, list[int]] = {}
-    meter = CpuMeter().start()
-    t0 = last_report = time.perf_counter()
-    for r in wl.requests:
-        llm.add_request(f"{label}/{r.request_id}", r.prompt, params)
     counters, st = llm.scheduler.counters, StepTimes()
+    t0 = last_report = time.perf_counter()
     while llm.has_unfinished():
         p0, g0 = counters.prompt_tokens_computed, llm.generation_tokens
         context = sum(seq.num_tokens for seq in llm.scheduler.running)
@@ -307,9 +304,22 @@ def run_engine(llm: LLM, wl: Workload, label: str, progress_s: float) -> EngineR
                 f"KV blocks used {s.kv_blocks_used}/{s.kv_blocks_total}",
                 flush=True,
             )
+    return outputs, st
+
+
+def run_engine(llm: LLM, wl: Workload, label: str, progress_s: float) -> EngineRun:
+    """Submit every request, then step until all finish, sampling KV use after each schedule."""
+    params = SamplingParams(temperature=0, max_tokens=wl.output_len, ignore_eos=True)
+    kv = KvSampler(llm)
+    before = llm.stats()
+    meter = CpuMeter()
+    t0 = time.perf_counter()
+    for r in wl.requests:
+        llm.add_request(f"{label}/{r.request_id}", r.prompt, params)
+    outputs, st = step_until_done(llm, wl, label, progress_s)
     wall = time.perf_counter() - t0
-    meter_line = meter.stop()
-    llm.scheduler.__dict__.pop("schedule", None)
+    cores, meter_line = meter.contention(label)
+    kv.remove()
     after = llm.stats()
     for r in wl.requests:
         got = outputs[r.request_id]
@@ -327,14 +337,19 @@ def run_engine(llm: LLM, wl: Workload, label: str, progress_s: float) -> EngineR
         num_deferred=after.num_deferred - before.num_deferred,
         num_preemptions=after.num_preemptions - before.num_preemptions,
         num_steps=after.num_steps - before.num_steps,
-        peak_blocks_used=peak["blocks"],
-        running_at_peak=peak["running_at_peak"],
-        max_running=peak["max_running"],
-        contention=meter.other_cores,
+        peak_blocks_used=kv.peak_blocks,
+        running_at_peak=kv.running_at_peak,
+        max_running=kv.max_running,
+        contention=cores,
         steps=st,
-        block_samples=samples,
+        block_samples=kv.samples,
     )
     print(meter_line)
+    print_engine_run(run, after.kv_blocks_total)
+    return run
+
+
+def print_engine_run(run: EngineRun, kv_blocks_total: int) -> None:
     print(
         f"wall {run.wall:.2f}s: {run.tok_s:,.1f} generated tok/s, {run.req_s:.2f} req/s, "
         f"{run.total_tok_s:,.1f} total (prompt+gen) tok/s; {run.num_steps} steps"
@@ -346,11 +361,10 @@ def run_engine(llm: LLM, wl: Workload, label: str, progress_s: float) -> EngineR
     )
     print(run.time_line())
     print(
-        f"peak KV blocks used {run.peak_blocks_used:,} of {after.kv_blocks_total:,} "
+        f"peak KV blocks used {run.peak_blocks_used:,} of {kv_blocks_total:,} "
         f"({run.running_at_peak} sequences running then; at most {run.max_running} at once)",
         flush=True,
     )
-    return run
 
 
 def engine_run(
@@ -393,7 +407,7 @@ class HFRun(Throughput):
 def run_hf(model, wl: Workload, batch_size: int, progress_s: float, quiet: bool = False) -> HFRun:
     outputs: dict[str, list[int]] = {}
     padded = 0
-    meter = CpuMeter().start()
+    meter = CpuMeter()
     t0 = last_report = time.perf_counter()
     for start in range(0, len(wl.requests), batch_size):
         batch = wl.requests[start : start + batch_size]
@@ -409,7 +423,7 @@ def run_hf(model, wl: Workload, batch_size: int, progress_s: float, quiet: bool 
                 flush=True,
             )
     wall = time.perf_counter() - t0
-    meter_line = meter.stop()
+    cores, meter_line = meter.contention("transformers")
     run = HFRun(
         batch_size=batch_size,
         num_requests=len(wl.requests),
@@ -418,7 +432,7 @@ def run_hf(model, wl: Workload, batch_size: int, progress_s: float, quiet: bool 
         prompt_tokens=wl.prompt_tokens,
         output_tokens=wl.output_tokens,
         padded_prompt_tokens=padded,
-        contention=meter.other_cores,
+        contention=cores,
     )
     if not quiet:
         print(meter_line)
@@ -434,10 +448,7 @@ def run_hf(model, wl: Workload, batch_size: int, progress_s: float, quiet: bool 
 # ---------------------------------------------------------------------------------------------
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="small workload for a smoke run")
+def add_workload_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-batches", type=int, default=4, help="system prompts (batches)")
     ap.add_argument(
         "--requests-per-batch", type=int, default=None, help="default 256 (16 with --quick)"
@@ -463,6 +474,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="requests for the caching-off and transformers runs: the first of each batch "
         "in equal shares (default 128, 16 with --quick; >= the total runs them on all)",
     )
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="small workload for a smoke run")
+    add_workload_arguments(ap)
     ap.add_argument(
         "--hf-batch-size",
         type=int,
@@ -487,23 +505,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="skip run 2 (caching on, baseline subset)",
     )
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads (default: torch's default, the core count)",
-    )
-    ap.add_argument(
-        "--model-dir",
-        type=Path,
-        default=None,
-        help="write (or reuse) the checkpoint here instead of a temp dir",
-    )
     ap.add_argument("--progress", type=float, default=30.0, help="seconds between progress lines")
-    # engine knobs
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    ap.add_argument("--block-size", type=int, default=16)
+    add_run_arguments(ap)
     ap.add_argument(
         "--num-kv-blocks",
         type=int,
@@ -513,7 +516,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     # model shape: ~56M parameters, as in bench/engine_vs_hf.py but with 2,048 positions
     add_model_arguments(ap, max_positions=2048)
-    args = ap.parse_args(argv)
+    return with_defaults(ap.parse_args(argv))
+
+
+def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """The defaults that depend on --quick."""
     q = args.quick
     if args.requests_per_batch is None:
         args.requests_per_batch = 16 if q else 256
@@ -534,36 +541,34 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    threads = torch.get_num_threads()
-    torch.manual_seed(args.seed)
+# ---------------------------------------------------------------------------------------------
+# the run, step by step
 
-    rule("setup")
-    print_setup(threads)
-    tmp, model_dir = prepare_model(args, model_overrides(args))
 
-    from transformers import AutoConfig
+@dataclass
+class Plan:
+    """The workload, its baseline subset, and the KV pool every engine run gets."""
 
-    shape = ModelShape.from_config(AutoConfig.from_pretrained(str(model_dir)))
-    hf_model = None if args.skip_hf else load_hf(model_dir)
-    if hf_model is not None:
-        n_params = sum(p.numel() for p in hf_model.parameters())
-    else:
-        n_params = (
-            shape.matmul_flops_per_token() // 2
-            + shape.vocab * shape.hidden
-            + shape.layers * 2 * shape.hidden
-            + shape.hidden
-        )
-    print(
-        f"model: llama hidden {shape.hidden}, intermediate {shape.inter}, layers {shape.layers}, "
-        f"heads {shape.heads}/{shape.kv_heads} kv (head_dim {shape.head_dim}), vocab "
-        f"{shape.vocab}; {n_params:,} parameters; float32"
-    )
+    wl: Workload
+    base: Workload
+    max_model_len: int
+    kv_token_bytes: int
+    block_bytes: int
+    system_blocks: int
 
+    @property
+    def subset(self) -> bool:
+        return self.base is not self.wl
+
+    @property
+    def tag(self) -> str:
+        n = len(self.base.requests)
+        return f"subset of {n}" if self.subset else f"all {n} requests"
+
+
+def plan(args: argparse.Namespace, shape: ModelShape) -> Plan:
+    """Make the workload and size the KV pool (setting --num-kv-blocks when not given);
+    prints both."""
     wl = make_workload(
         args.num_batches,
         args.requests_per_batch,
@@ -573,25 +578,35 @@ def main(argv=None) -> dict:
         shape.vocab,
         args.seed,
     )
-    base = wl.subset(args.baseline_requests)
-    subset = base is not wl
     max_model_len = args.system_len + args.question_len[1] + args.output_len
     if max_model_len > args.max_position_embeddings:
         raise SystemExit(
             f"requests need {max_model_len} positions; raise --max-position-embeddings"
         )
     kv_token_bytes = 2 * shape.layers * shape.kv_heads * shape.head_dim * 4  # float32
-    block_bytes = kv_token_bytes * args.block_size
-    system_blocks = args.num_batches * (args.system_len // args.block_size)
+    p = Plan(
+        wl,
+        wl.subset(args.baseline_requests),
+        max_model_len,
+        kv_token_bytes,
+        kv_token_bytes * args.block_size,
+        args.num_batches * (args.system_len // args.block_size),
+    )
     own_blocks = cdiv(max_model_len, args.block_size) - args.system_len // args.block_size
     if args.num_kv_blocks is None:
-        need = system_blocks + args.max_num_seqs * own_blocks
+        need = p.system_blocks + args.max_num_seqs * own_blocks
         args.num_kv_blocks = max(need, 1024) if args.quick else max(need, 4096)
-    if args.num_kv_blocks < system_blocks + own_blocks:
+    if args.num_kv_blocks < p.system_blocks + own_blocks:
         raise SystemExit(
             f"--num-kv-blocks {args.num_kv_blocks} cannot hold the {args.num_batches} system "
-            f"prompts ({system_blocks} blocks) and one request's own blocks"
+            f"prompts ({p.system_blocks} blocks) and one request's own blocks"
         )
+    print_plan(args, p)
+    return p
+
+
+def print_plan(args: argparse.Namespace, p: Plan) -> None:
+    wl, base = p.wl, p.base
     print(
         f"workload: {args.num_batches} batches x {args.requests_per_batch} requests = "
         f"{len(wl.requests)}, seed {args.seed}; system prompt {args.system_len} tokens (one per "
@@ -602,108 +617,131 @@ def main(argv=None) -> dict:
     print(
         f"baseline subset: {len(base.requests)} requests ({len(base.requests) // args.num_batches}"
         f" per batch), prompt tokens {base.prompt_tokens:,}, generated {base.output_tokens:,}"
-        + ("" if subset else " (the whole workload)")
+        + ("" if p.subset else " (the whole workload)")
     )
     print(
-        f"KV pool: {args.num_kv_blocks} blocks x {block_bytes / MIB:.2f} MiB = "
-        f"{args.num_kv_blocks * block_bytes / MIB:,.0f} MiB for each engine run (the system "
-        f"prompts take {system_blocks} blocks); max_model_len {max_model_len}",
+        f"KV pool: {args.num_kv_blocks} blocks x {p.block_bytes / MIB:.2f} MiB = "
+        f"{args.num_kv_blocks * p.block_bytes / MIB:,.0f} MiB for each engine run (the system "
+        f"prompts take {p.system_blocks} blocks); max_model_len {p.max_model_len}",
         flush=True,
     )
 
-    vocab = shape.vocab
-    contention: dict[str, float] = {}
 
-    # ---- 1. ours, caching on, everything
-    rule(f"1. ours: prefix caching + cache-aware admission, all {len(wl.requests)} requests")
-    on = engine_run(model_dir, args, wl, True, max_model_len, "on", vocab)
-    contention["on"] = round(on.contention, 2)
+@dataclass
+class Runs:
+    on: EngineRun
+    on_sub: EngineRun | None
+    off: EngineRun
+    hf: HFRun | None
+    sweep: list[dict]
+    contention: dict[str, float]
 
-    # ---- 2. ours, caching on, the subset
+
+def run_all(args: argparse.Namespace, m: BenchModel, p: Plan) -> Runs:
+    """Runs 1 to 4 (2 only on a subset, 4 unless --skip-hf)."""
+    vocab, n = m.shape.vocab, len(p.base.requests)
+    rule(f"1. ours: prefix caching + cache-aware admission, all {len(p.wl.requests)} requests")
+    on = engine_run(m.path, args, p.wl, True, p.max_model_len, "on", vocab)
+    contention = {"on": round(on.contention, 2)}
+
     on_sub = None
-    if subset and not args.skip_subset_on:
-        rule(f"2. ours: prefix caching + cache-aware admission, subset of {len(base.requests)}")
-        on_sub = engine_run(model_dir, args, base, True, max_model_len, "on-subset", vocab)
+    if p.subset and not args.skip_subset_on:
+        rule(f"2. ours: prefix caching + cache-aware admission, subset of {n}")
+        on_sub = engine_run(m.path, args, p.base, True, p.max_model_len, "on-subset", vocab)
         contention["on_subset"] = round(on_sub.contention, 2)
 
-    # ---- 3. ours, caching off, the subset
-    tag = f"subset of {len(base.requests)}" if subset else f"all {len(base.requests)} requests"
-    rule(f"3. ours: prefix caching off, {tag}")
-    off = engine_run(model_dir, args, base, False, max_model_len, "off", vocab)
+    rule(f"3. ours: prefix caching off, {p.tag}")
+    off = engine_run(m.path, args, p.base, False, p.max_model_len, "off", vocab)
     contention["off"] = round(off.contention, 2)
 
-    # ---- 4. transformers, the subset
-    hf = None
-    sweep = []
-    if hf_model is not None:
-        rule(f"4. transformers generate, static batches of {args.hf_batch_size}, {tag}")
-        hf_generate_batch(hf_model, [r.prompt[:32] for r in base.requests[:2]], 4, 0)  # warm-up
+    hf, sweep = None, []
+    if m.hf is not None:
+        rule(f"4. transformers generate, static batches of {args.hf_batch_size}, {p.tag}")
+        hf_generate_batch(m.hf, [r.prompt[:32] for r in p.base.requests[:2]], 4, 0)  # warm-up
         if args.hf_sweep:
-            n = args.hf_sweep_requests
-            sweep_wl = Workload(wl.system_prompts, base.requests[:n], wl.output_len)
-            for bs in args.hf_sweep:
-                r = run_hf(hf_model, sweep_wl, bs, 0, quiet=True)
-                sweep.append({"bs": bs, "wall_s": round(r.wall, 3), "tok_s": round(r.tok_s, 2)})
-                print(
-                    f"  sweep: batch {bs}: {r.wall:.2f}s, {r.tok_s:,.1f} generated tok/s on "
-                    f"{len(sweep_wl.requests)} requests (other processes {r.contention:.2f} cores)",
-                    flush=True,
-                )
-        hf = run_hf(hf_model, base, args.hf_batch_size, args.progress)
+            sweep = hf_sweep(args, m.hf, p)
+        hf = run_hf(m.hf, p.base, args.hf_batch_size, args.progress)
         contention["hf"] = round(hf.contention, 2)
+    return Runs(on, on_sub, off, hf, sweep, contention)
 
-    # ---- correctness
+
+def hf_sweep(args: argparse.Namespace, model, p: Plan) -> list[dict]:
+    n = args.hf_sweep_requests
+    sweep_wl = Workload(p.wl.system_prompts, p.base.requests[:n], p.wl.output_len)
+    sweep = []
+    for bs in args.hf_sweep:
+        r = run_hf(model, sweep_wl, bs, 0, quiet=True)
+        sweep.append({"bs": bs, "wall_s": round(r.wall, 3), "tok_s": round(r.tok_s, 2)})
+        print(
+            f"  sweep: batch {bs}: {r.wall:.2f}s, {r.tok_s:,.1f} generated tok/s on "
+            f"{len(sweep_wl.requests)} requests (other processes {r.contention:.2f} cores)",
+            flush=True,
+        )
+    return sweep
+
+
+def check_outputs(p: Plan, runs: Runs) -> int:
+    """How many of the baseline's requests caching on and off answered identically (and the
+    other comparisons, printed)."""
     rule("correctness")
-    ids = [r.request_id for r in base.requests]
-    same_off = sum(on.outputs[i] == off.outputs[i] for i in ids)
+    ids = [r.request_id for r in p.base.requests]
+    on = runs.on
+    same_off = sum(on.outputs[i] == runs.off.outputs[i] for i in ids)
     print(f"caching on (run 1) vs off (run 3), greedy outputs identical: {same_off}/{len(ids)}")
-    same_sub = None
-    if on_sub is not None:
-        same_sub = sum(on.outputs[i] == on_sub.outputs[i] for i in ids)
+    if runs.on_sub is not None:
+        same_sub = sum(on.outputs[i] == runs.on_sub.outputs[i] for i in ids)
         print(f"caching on, run 1 vs run 2: identical {same_sub}/{len(ids)}")
-    same_hf = None
-    if hf is not None:
-        same_hf = sum(on.outputs[i] == hf.outputs[i] for i in ids)
+    if runs.hf is not None:
+        same_hf = sum(on.outputs[i] == runs.hf.outputs[i] for i in ids)
         print(
             f"ours vs transformers (informational; float32 rounding differs): identical "
             f"{same_hf}/{len(ids)}"
         )
+    return same_off
 
-    # ---- summary
+
+def print_runs(p: Plan, runs: Runs) -> None:
     rule("summary")
 
-    def sub_note(n: int) -> str:
-        return f"{n} (subset)" if n < len(wl.requests) else f"{n} (all)"
-
-    def row(name: str, run, n: int) -> tuple:
+    def row(name: str, run: Throughput) -> tuple:
+        n = run.num_requests
         return (
             name,
-            sub_note(n),
+            f"{n} (subset)" if n < len(p.wl.requests) else f"{n} (all)",
             f"{run.wall:.1f}",
             f"{run.tok_s:,.1f}",
             f"{run.req_s:.2f}",
             f"{run.total_tok_s:,.0f}",
         )
 
-    rows = [row("ours, prefix caching + cache-aware admission", on, on.num_requests)]
-    if on_sub is not None:
-        rows.append(
-            row("ours, prefix caching + cache-aware admission", on_sub, on_sub.num_requests)
-        )
-    rows.append(row("ours, prefix caching off", off, off.num_requests))
-    if hf is not None:
-        rows.append(
-            row(f"transformers generate (static batches of {hf.batch_size})", hf, hf.num_requests)
-        )
+    rows = [row("ours, prefix caching + cache-aware admission", runs.on)]
+    if runs.on_sub is not None:
+        rows.append(row("ours, prefix caching + cache-aware admission", runs.on_sub))
+    rows.append(row("ours, prefix caching off", runs.off))
+    if runs.hf is not None:
+        rows.append(row(f"transformers generate (static batches of {runs.hf.batch_size})", runs.hf))
     table(rows, ("run", "requests", "wall s", "gen tok/s", "req/s", "total tok/s"))
     print("(gen tok/s = generated tokens / wall seconds; total counts prompt tokens too)")
 
+
+@dataclass
+class KvMemory:
+    """Run 1's peak of KV memory in use, against a contiguous max-length allocation."""
+
+    peak_mib: float
+    contiguous_mib: float
+    in_flight: int
+
+
+def print_prefill_and_memory(args: argparse.Namespace, p: Plan, runs: Runs) -> KvMemory:
+    on, off = runs.on, runs.off
     print()
-    peak_mib = on.peak_blocks_used * block_bytes / MIB
-    in_flight = on.max_running
-    contiguous_mib = in_flight * max_model_len * kv_token_bytes / MIB
-    contiguous_max_mib = args.max_num_seqs * max_model_len * kv_token_bytes / MIB
-    off_peak_mib = off.peak_blocks_used * block_bytes / MIB
+    mem = KvMemory(
+        on.peak_blocks_used * p.block_bytes / MIB,
+        on.max_running * p.max_model_len * p.kv_token_bytes / MIB,
+        on.max_running,
+    )
+    contiguous_max_mib = args.max_num_seqs * p.max_model_len * p.kv_token_bytes / MIB
     print(
         f"prefill (run 1): {on.prefill_line()} (KV blocks saved {on.kv_blocks_saved:,}, "
         f"deferred admissions {on.num_deferred:,}, preemptions {on.num_preemptions})"
@@ -712,29 +750,35 @@ def main(argv=None) -> dict:
     print(f"time (run 1): {on.time_line()}")
     print(f"time (run 3): {off.time_line()}")
     print(
-        f"KV memory (run 1): peak {on.peak_blocks_used:,} blocks x {block_bytes / MIB:.2f} MiB = "
-        f"{peak_mib:,.1f} MiB in use, with {on.running_at_peak} sequences running then and at "
-        f"most {in_flight} at once"
+        f"KV memory (run 1): peak {on.peak_blocks_used:,} blocks x {p.block_bytes / MIB:.2f} "
+        f"MiB = {mem.peak_mib:,.1f} MiB in use, with {on.running_at_peak} sequences running "
+        f"then and at most {mem.in_flight} at once"
     )
     print(
-        f"  vs contiguous max-length allocation: {in_flight} sequences x {max_model_len} tokens x "
-        f"{kv_token_bytes / 1024:.0f} KiB = {contiguous_mib:,.1f} MiB -> "
-        f"{contiguous_mib / peak_mib:.1f}x more "
+        f"  vs contiguous max-length allocation: {mem.in_flight} sequences x "
+        f"{p.max_model_len} tokens x {p.kv_token_bytes / 1024:.0f} KiB = "
+        f"{mem.contiguous_mib:,.1f} MiB -> {mem.contiguous_mib / mem.peak_mib:.1f}x more "
         f"(at max_num_seqs {args.max_num_seqs}: {contiguous_max_mib:,.1f} MiB)"
     )
     print(
-        f"  caching off (run 3): peak {off.peak_blocks_used:,} blocks = {off_peak_mib:,.1f} MiB "
+        f"  caching off (run 3): peak {off.peak_blocks_used:,} blocks = "
+        f"{off.peak_blocks_used * p.block_bytes / MIB:,.1f} MiB "
         f"with at most {off.max_running} sequences at once"
     )
+    return mem
 
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def print_goals(p: Plan, runs: Runs, mem: KvMemory, same_off: int) -> tuple[float, float]:
+    """The goals table; returns run 1's throughput over caching off's and transformers'."""
+    on, off, hf = runs.on, runs.off, runs.hf
     print()
     vs_off = on.tok_s / off.tok_s
     vs_hf = on.tok_s / hf.tok_s if hf else float("nan")
-
-    def verdict(ok: bool) -> str:
-        return "met" if ok else "NOT met"
-
-    note = f" ({len(base.requests)}-request subset)" if subset else ""
+    note = f" ({len(p.base.requests)}-request subset)" if p.subset else ""
     goals = [
         (
             "prompt tokens served from cache",
@@ -758,54 +802,82 @@ def main(argv=None) -> dict:
                 verdict(vs_hf >= GOAL_VS_HF),
             )
         )
-    if on_sub is not None:
-        goals.append(
-            (
-                "  same subset, run 2 vs caching off",
-                f"{on_sub.tok_s / off.tok_s:.2f}x",
-                "(like-for-like check)",
-                "",
-            )
-        )
-        if hf:
-            goals.append(
-                (
-                    "  same subset, run 2 vs transformers",
-                    f"{on_sub.tok_s / hf.tok_s:.2f}x",
-                    "(like-for-like check)",
-                    "",
-                )
-            )
+    goals += like_for_like(runs)
     goals.append(
         (
             "KV memory, contiguous / paged peak",
-            f"{contiguous_mib / peak_mib:.1f}x",
-            f"{peak_mib:,.0f} vs {contiguous_mib:,.0f} MiB",
+            f"{mem.contiguous_mib / mem.peak_mib:.1f}x",
+            f"{mem.peak_mib:,.0f} vs {mem.contiguous_mib:,.0f} MiB",
             "",
         )
     )
     table(goals, ("goal", "measured", "target", ""))
     print(
-        f"(ratios are generated tok/s of run 1, all {len(wl.requests)} requests, over the "
+        f"(ratios are generated tok/s of run 1, all {len(p.wl.requests)} requests, over the "
         f"baseline's generated tok/s{note})"
     )
     print(
-        f"other processes' CPU use (cores): {contention}; correctness: outputs identical: "
-        f"{same_off}/{len(ids)}"
+        f"other processes' CPU use (cores): {runs.contention}; correctness: outputs identical: "
+        f"{same_off}/{len(p.base.requests)}"
     )
+    return vs_off, vs_hf
 
-    result = {
+
+def like_for_like(runs: Runs) -> list[tuple]:
+    """Run 2 (caching on, the subset) against the baselines, where it ran."""
+    if runs.on_sub is None:
+        return []
+    rows = [
+        (
+            "  same subset, run 2 vs caching off",
+            f"{runs.on_sub.tok_s / runs.off.tok_s:.2f}x",
+            "(like-for-like check)",
+            "",
+        )
+    ]
+    if runs.hf:
+        rows.append(
+            (
+                "  same subset, run 2 vs transformers",
+                f"{runs.on_sub.tok_s / runs.hf.tok_s:.2f}x",
+                "(like-for-like check)",
+                "",
+            )
+        )
+    return rows
+
+
+def goals_met(on: EngineRun, vs_off: float, vs_hf: float | None) -> dict:
+    return {
+        "cached_90pct": on.cached_fraction >= GOAL_CACHED,
+        "vs_off_4x": vs_off >= GOAL_VS_OFF,
+        "vs_hf_10x": (vs_hf >= GOAL_VS_HF) if vs_hf is not None else None,
+    }
+
+
+def result_json(
+    args: argparse.Namespace,
+    m: BenchModel,
+    p: Plan,
+    runs: Runs,
+    mem: KvMemory,
+    ratios: tuple[float, float],
+    same_off: int,
+) -> dict:
+    on, on_sub, off, hf = runs.on, runs.on_sub, runs.off, runs.hf
+    vs_off, vs_hf = ratios
+    return {
         "bench": "prefix_sharing",
         "quick": args.quick,
         "seed": args.seed,
-        "threads": threads,
-        "params": n_params,
-        "num_requests": len(wl.requests),
-        "baseline_requests": len(base.requests),
+        "threads": m.threads,
+        "params": m.params,
+        "num_requests": len(p.wl.requests),
+        "baseline_requests": len(p.base.requests),
         "system_len": args.system_len,
         "question_len": list(args.question_len),
         "output_len": args.output_len,
-        "prompt_tokens": wl.prompt_tokens,
+        "prompt_tokens": p.wl.prompt_tokens,
         "prompt_tokens_computed": on.prompt_tokens_computed,
         "cached_fraction": round(on.cached_fraction, 4),
         "kv_blocks_saved": on.kv_blocks_saved,
@@ -822,11 +894,7 @@ def main(argv=None) -> dict:
         "hf_tok_s": round(hf.tok_s, 2) if hf else None,
         "ratio_vs_off": round(vs_off, 3),
         "ratio_vs_hf": round(vs_hf, 3) if hf else None,
-        "goals_met": {
-            "cached_90pct": on.cached_fraction >= GOAL_CACHED,
-            "vs_off_4x": vs_off >= GOAL_VS_OFF,
-            "vs_hf_10x": (vs_hf >= GOAL_VS_HF) if hf else None,
-        },
+        "goals_met": goals_met(on, vs_off, vs_hf if hf else None),
         "on_prompt_step_s": round(on.steps.prompt_time, 2),
         "on_decode_step_s": round(on.steps.decode_time, 2),
         "on_decode_tok_s": round(on.steps.decode_tok_s, 2),
@@ -835,19 +903,37 @@ def main(argv=None) -> dict:
         "off_prompt_step_s": round(off.steps.prompt_time, 2),
         "off_decode_step_s": round(off.steps.decode_time, 2),
         "kv_peak_blocks": on.peak_blocks_used,
-        "kv_peak_mib": round(peak_mib, 1),
-        "kv_contiguous_mib": round(contiguous_mib, 1),
-        "kv_max_in_flight": in_flight,
-        "max_model_len": max_model_len,
-        "outputs_identical": f"{same_off}/{len(ids)}",
-        "other_process_cores": contention,
-        "hf_sweep": sweep,
+        "kv_peak_mib": round(mem.peak_mib, 1),
+        "kv_contiguous_mib": round(mem.contiguous_mib, 1),
+        "kv_max_in_flight": mem.in_flight,
+        "max_model_len": p.max_model_len,
+        "outputs_identical": f"{same_off}/{len(p.base.requests)}",
+        "other_process_cores": runs.contention,
+        "hf_sweep": runs.sweep,
         "allocator": allocator(),
     }
-    print(json.dumps(result), flush=True)
-    if tmp is not None:
-        tmp.cleanup()
-    assert same_off == len(ids), f"caching on and off disagree on {len(ids) - same_off} requests"
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    m = set_up(args)
+    shape = m.shape
+    print(
+        f"model: llama hidden {shape.hidden}, intermediate {shape.inter}, layers {shape.layers}, "
+        f"heads {shape.heads}/{shape.kv_heads} kv (head_dim {shape.head_dim}), vocab "
+        f"{shape.vocab}; {m.params:,} parameters; float32"
+    )
+    p = plan(args, shape)
+    runs = run_all(args, m, p)
+    same_off = check_outputs(p, runs)
+    print_runs(p, runs)
+    mem = print_prefill_and_memory(args, p, runs)
+    ratios = print_goals(p, runs, mem, same_off)
+    result = result_json(args, m, p, runs, mem, ratios, same_off)
+    print_result(result)
+    m.cleanup()
+    n = len(p.base.requests)
+    assert same_off == n, f"caching on and off disagree on {n - same_off} requests"
     return result
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 
 def rule(title: str = "") -> None:
     print(f"\n== {title} " + "=" * max(0, 86 - len(title)) if title else "=" * 90, flush=True)
@@ -15,3 +17,8 @@ def table(rows: list[tuple], header: tuple) -> None:
         print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(cells)))
         if j == 0:
             print("  ".join("-" * w for w in widths))
+
+
+def print_result(result: dict) -> None:
+    """The last line a benchmark prints: its headline numbers as one JSON object."""
+    print(json.dumps(result), flush=True)

@@ -1,0 +1,145 @@
+"""Decode attention bandwidth of the Triton paged kernel on a CUDA GPU.
+
+Llama-8B attention shapes (32 query heads, 8 KV heads, head size 128, bf16 cache, block size 16)
+at batch 64 x context 2048 and batch 8 x context 32768. For each it reports the achieved memory
+bandwidth (the K/V bytes the kernel must read, over its time) against the device's measured
+device-to-device copy bandwidth, and the time of `F.scaled_dot_product_attention` on contiguous
+K/V of the same size. Goal: >= 70% of copy bandwidth at batch 64 x 2048.
+
+    python bench/triton_decode.py
+
+On a machine without a CUDA GPU it says so and exits 0. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from report import print_result
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+CASES = [(64, 2048), (8, 32768)]
+GOAL = 0.70
+
+
+def cuda_time(fn, warmup: int = 5, iters: int = 50) -> float:
+    """Median seconds per call, by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = cuda_time(lambda: dst.copy_(src), iters=20)
+    return 2 * src.numel() / seconds
+
+
+def run_case(batch: int, context: int, device: torch.device, dtype: torch.dtype) -> dict:
+    from kernels.triton_paged import choose_num_splits, paged_decode_attention
+
+    blocks_per_seq = context // BLOCK_SIZE
+    num_blocks = batch * blocks_per_seq
+    k_cache = torch.randn(num_blocks, KV_HEADS, BLOCK_SIZE, HEAD_DIM, device=device, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq)
+    lens = torch.full((batch,), context, device=device, dtype=torch.long)
+    q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=dtype)
+    scale = HEAD_DIM**-0.5
+    out = torch.empty_like(q)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    splits = choose_num_splits(batch, KV_HEADS, context, sms)
+
+    paged = cuda_time(
+        lambda: paged_decode_attention(
+            q, k_cache, v_cache, tables, lens, scale, max_context_len=context, out=out
+        )
+    )
+
+    k = torch.randn(batch, KV_HEADS, context, HEAD_DIM, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    q4 = q.view(batch, HEADS, 1, HEAD_DIM)
+    sdpa = cuda_time(lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True))
+
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
+    return {
+        "batch": batch,
+        "context": context,
+        "splits": splits,
+        "paged_s": paged,
+        "sdpa_s": sdpa,
+        "kv_bytes": kv_bytes,
+        "paged_bw": kv_bytes / paged,
+        "sdpa_bw": kv_bytes / sdpa,
+    }
+
+
+def main() -> dict:
+    if not torch.cuda.is_available():
+        print(
+            "no CUDA GPU on this machine: the Triton decode kernel benchmark needs one; "
+            "the kernels' correctness is tested on the CPU interpreter "
+            "(tests/kernels/test_triton_kernels.py)"
+        )
+        result = {"skipped": "no CUDA GPU"}
+        print_result(result)
+        return result
+    device = torch.device("cuda")
+    dtype = torch.bfloat16
+    copy_bw = copy_bandwidth(device)
+    name = torch.cuda.get_device_name(device)
+    print(f"device: {name}; device-to-device copy bandwidth {copy_bw / 1e9:.0f} GB/s")
+    rows = [run_case(b, c, device, dtype) for b, c in CASES]
+    header = (
+        "batch x context",
+        "splits",
+        "paged us",
+        "paged GB/s",
+        "% of copy",
+        "sdpa us",
+        "sdpa GB/s",
+    )
+    print("  ".join(header))
+    for r in rows:
+        print(
+            "  ".join(
+                [
+                    f"{r['batch']} x {r['context']}",
+                    str(r["splits"]),
+                    f"{r['paged_s'] * 1e6:.1f}",
+                    f"{r['paged_bw'] / 1e9:.0f}",
+                    f"{100 * r['paged_bw'] / copy_bw:.0f}%",
+                    f"{r['sdpa_s'] * 1e6:.1f}",
+                    f"{r['sdpa_bw'] / 1e9:.0f}",
+                ]
+            )
+        )
+    headline = rows[0]["paged_bw"] / copy_bw
+    print(
+        f"goal: >= {GOAL:.0%} of copy bandwidth at 64 x 2048: {headline:.0%} "
+        f"({'met' if headline >= GOAL else 'NOT met'})"
+    )
+    result = {
+        "device": name,
+        "copy_GBps": copy_bw / 1e9,
+        "fraction_of_copy": headline,
+        "cases": rows,
+    }
+    print_result(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""The processes of one deployment on this machine: an API and any number of workers, each a
+`conveyor` command in a process group of its own, logging to a file under `root`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from conveyor.testing.servers import free_port
+
+
+def service_env(database_url: str, redis_url: str, root: Path) -> dict[str, str]:
+    """This process's environment pointed at one database, one Redis and a data folder."""
+    env = dict(os.environ)
+    env.update(
+        DATABASE_URL=database_url,
+        REDIS_URL=redis_url,
+        CONVEYOR_DATA_DIR=str(root / "data"),
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+QUICK_TIMING = {
+    "CONVEYOR_HEARTBEAT_INTERVAL": "0.5",
+    "CONVEYOR_HEARTBEAT_TIMEOUT": "5",
+    "CONVEYOR_RECONCILE_INTERVAL": "1",
+}
+
+
+def stack_env(database_url: str, redis_url: str, root: Path) -> dict[str, str]:
+    """A test deployment's environment: quick heartbeats and reconciler rounds, small shards."""
+    env = service_env(database_url, redis_url, root)
+    env.update(QUICK_TIMING, CONVEYOR_SHARD_SIZE="8", CONVEYOR_VISIBILITY_TIMEOUT="600")
+    return env
+
+
+def conveyor_argv(args: list[str], launcher: list[str] | None = None) -> list[str]:
+    """`conveyor ARGS` run by this Python, or `python LAUNCHER... ARGS` (an entry point of a
+    test's own that ends in the CLI)."""
+    return [sys.executable, *(launcher or ["-m", "conveyor"]), *args]
+
+
+@dataclass
+class Stack:
+    """The processes of one deployment: an API and any number of workers."""
+
+    env: dict[str, str]
+    root: Path
+    api_url: str = ""
+    poll_interval: float = 0.1
+    procs: list[subprocess.Popen] = field(default_factory=list)  # every one started
+    named: dict[str, subprocess.Popen] = field(default_factory=dict)  # the latest of a name
+    workers: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def start(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
+        """Run `argv` with its output in `<root>/<name>.log`."""
+        with open(self.root / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(
+                argv,
+                env=self.env if env is None else env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: Ctrl-C here does not reach it
+            )
+        self.procs.append(proc)
+        self.named[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        path = self.root / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def log_tail(self, name: str, lines: int = 40) -> str:
+        return "\n".join(self.log(name).splitlines()[-lines:])
+
+    def start_api(self, *extra: str, timeout: float = 60) -> str:
+        """`conveyor serve EXTRA...` on a free port; its URL once /healthz answers."""
+        port = free_port()
+        args = ["serve", "--host", "127.0.0.1", "--port", str(port), *extra]
+        proc = self.start("api", conveyor_argv(args))
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the API exited with {proc.returncode}:\n{self.log('api')}")
+            try:
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    self.api_url = url
+                    return url
+            except httpx.HTTPError:
+                pass
+            time.sleep(self.poll_interval)
+        raise RuntimeError(f"the API did not start:\n{self.log('api')}")
+
+    def start_worker(
+        self,
+        name: str,
+        model: str | Path,
+        *extra: str,
+        served: str = "tiny",
+        wait: bool = True,
+        launcher: list[str] | None = None,
+    ) -> subprocess.Popen:
+        args = ["worker", "--model", str(model), "--name", name, "--loglevel", "INFO", *extra]
+        if served:
+            args += ["--served-model-name", served]
+        proc = self.start(name, conveyor_argv(args, launcher))
+        self.workers[name] = proc
+        if wait:
+            self.wait_worker_ready(name)
+        return proc
+
+    def wait_worker_ready(self, name: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        proc = self.workers[name]
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"worker {name} exited with {proc.returncode}:\n{self.log(name)}"
+                )
+            if "ready." in self.log(name):  # Celery's consumer is connected
+                return
+            time.sleep(self.poll_interval)
+        raise RuntimeError(f"worker {name} did not start:\n{self.log(name)}")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.workers[name]
+        os.killpg(proc.pid, sig)
+        proc.wait(30)
+
+    def stop(self, grace: float = 15) -> None:
+        """SIGTERM every process group, then SIGKILL what is still there after `grace` s."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)

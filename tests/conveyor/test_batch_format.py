@@ -1,0 +1,42 @@
+"""The batch-file format counts a file's lines one way: validation refuses the file the upload
+refuses, with the same code and message, and neither counts blank lines."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from conveyor.batch_format.errors import FileLimitError
+from conveyor.batch_format.lines import FileLimits, LineCounter
+from conveyor.batch_format.validation import validate
+from conveyor.testing import batch_lines
+
+CHAT = "/v1/chat/completions"
+
+
+def jsonl(lines: list[dict], blank_between: int = 0) -> bytes:
+    sep = b"\n" + b" \n" * blank_between
+    return sep.join(json.dumps(line).encode() for line in lines) + b"\n"
+
+
+def test_validation_and_upload_refuse_the_same_file_alike() -> None:
+    data = jsonl(batch_lines(3))
+    result = validate(io.BytesIO(data), CHAT, 1 << 20, max_lines=2)
+    assert [e["code"] for e in result.errors] == ["too_many_lines"]
+    counter = LineCounter(FileLimits(max_bytes=1 << 20, max_lines=2, max_line_bytes=1 << 20))
+    with pytest.raises(FileLimitError) as refused:
+        counter.feed(data)
+    assert refused.value.code == "too_many_lines"
+    assert result.errors[0]["message"] == str(refused.value)
+
+
+def test_blank_lines_are_no_requests_for_either() -> None:
+    data = jsonl(batch_lines(2), blank_between=5)
+    result = validate(io.BytesIO(data), CHAT, 1 << 20, max_lines=2)
+    assert not result.errors and len(result.records) == 2
+    counter = LineCounter(FileLimits(max_bytes=1 << 20, max_lines=2, max_line_bytes=1 << 20))
+    counter.feed(data)
+    counter.close()
+    assert counter.lines == 2

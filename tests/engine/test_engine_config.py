@@ -1,0 +1,93 @@
+"""`EngineConfig`: its checks, the engine built from it or from keyword options, and the
+engine modules that load without torch."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"block_size": 0}, "block_size must be positive, got 0"),
+        ({"max_num_seqs": 0}, "max_num_seqs and max_num_batched_tokens must be positive"),
+        ({"max_num_batched_tokens": 0}, "max_num_seqs and max_num_batched_tokens must be positive"),
+        ({"admission_policy": "lifo"}, "admission_policy must be 'cache_aware' or 'fcfs'"),
+        ({"max_waiting_time": -1}, "max_waiting_time must be >= 0 seconds, got -1"),
+    ],
+)
+def test_invalid_options_are_refused(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig(**options)
+
+
+def test_help_states_the_defaults() -> None:
+    """A `(default X)` in an option's help is the field's default."""
+    for f in fields(EngineConfig):
+        stated = re.search(r"\(default ([^):]+)\)", f.metadata["help"])
+        if stated:
+            default = f.default
+            shown = f"{default:g}" if isinstance(default, float) else str(default)
+            assert stated.group(1) == shown, f.name
+
+
+def test_engine_takes_a_config_or_options(checkpoints) -> None:
+    from engine import LLM
+
+    path = str(checkpoints["llama"])
+    config = EngineConfig(device="cpu", max_num_seqs=8, num_kv_blocks=32, block_size=8)
+    llm = LLM(path, config)
+    assert llm.engine_config is config
+    assert (llm.block_size, llm.scheduler.max_num_seqs, llm.stats().kv_blocks_total) == (8, 8, 32)
+    same = LLM(path, device="cpu", max_num_seqs=8, num_kv_blocks=32, block_size=8)
+    assert same.engine_config == config
+    with pytest.raises(TypeError, match="not both"):
+        LLM(path, config, max_num_seqs=4)
+    with pytest.raises(ValueError, match="block_size must be positive"):
+        LLM(path, device="cpu", block_size=0)
+
+
+def test_config_sampling_params_and_outputs_import_without_torch() -> None:
+    code = (
+        "import sys, engine.config, engine.sampling_params, engine.outputs;"
+        "from engine import EngineConfig, SamplingParams, RequestOutput;"
+        "assert 'torch' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_command_line_flags_make_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    from conveyor.cli import build_parser
+    from conveyor.cli.engine_options import engine_config
+
+    flags = [
+        "--max-model-len", "64", "--block-size", "8", "--num-kv-blocks", "32",
+        "--kv-cache-memory", "1KiB", "--gpu-memory-utilization", "0.5", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "128", "--dtype", "float32", "--device", "cpu",
+        "--no-prefix-caching", "--seed", "7", "--admission-policy", "fcfs",
+        "--max-waiting-time", "2.5", "--attention-backend", "sdpa",
+    ]  # fmt: skip
+    expected = EngineConfig(
+        max_model_len=64, block_size=8, num_kv_blocks=32, kv_cache_memory=1024,
+        gpu_memory_utilization=0.5, max_num_seqs=4, max_num_batched_tokens=128,
+        dtype="float32", device="cpu", enable_prefix_caching=False, seed=7,
+        admission_policy="fcfs", max_waiting_time=2.5, attention_backend="sdpa",
+    )  # fmt: skip
+    run_batch = ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "--model", "m"]
+    assert engine_config(build_parser().parse_args([*run_batch, *flags])) == expected
+    assert engine_config(build_parser().parse_args(run_batch)) == EngineConfig()
+
+    monkeypatch.setenv("CONVEYOR_MAX_NUM_SEQS", "4")
+    monkeypatch.setenv("CONVEYOR_NO_PREFIX_CACHING", "true")
+    worker = engine_config(build_parser().parse_args(["worker", "--model", "m"]))
+    assert worker == EngineConfig(max_num_seqs=4, enable_prefix_caching=False)

@@ -1,0 +1,72 @@
+"""Checkpoint loading: clear errors for what cannot be loaded."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM
+
+
+def copy_checkpoint(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_weight_is_named(checkpoints, tmp_path):
+    path = copy_checkpoint(checkpoints["llama"], tmp_path / "m")
+    weights = load_file(path / "model.safetensors")
+    del weights["model.layers.1.self_attn.k_proj.weight"]
+    save_file(weights, path / "model.safetensors")
+    with pytest.raises(ValueError, match="lacks weights: model.layers.1.self_attn.k_proj.weight"):
+        LLM(str(path), device="cpu")
+
+
+def test_wrong_shape_is_named(checkpoints, tmp_path):
+    path = copy_checkpoint(checkpoints["qwen2"], tmp_path / "m")
+    weights = load_file(path / "model.safetensors")
+    weights["model.layers.0.mlp.up_proj.weight"] = torch.zeros(3, 3)
+    save_file(weights, path / "model.safetensors")
+    with pytest.raises(ValueError, match="'model.layers.0.mlp.up_proj.weight' has shape"):
+        LLM(str(path), device="cpu")
+
+
+def test_unsupported_architecture(checkpoints, tmp_path):
+    path = copy_checkpoint(checkpoints["llama"], tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        LLM(str(path), device="cpu")
+
+
+def test_unknown_model_name_fails_clearly(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="neither a local directory nor a reachable hub"):
+        LLM(str(tmp_path / "no-such-model"), device="cpu")
+
+
+def test_rope_scaling_from_the_config_is_applied(tmp_path):
+    """A llama3-style rope_scaling changes outputs, and still matches transformers."""
+    from conveyor.demo_model import write_tiny_model
+    from engine import SamplingParams
+    from tests.hf_reference import hf_greedy
+
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    path = write_tiny_model(tmp_path / "m", "llama", rope_parameters=rope)
+    prompt = list(range(3, 200))
+    out = LLM(str(path), device="cpu").generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+    )[0]
+    assert out.outputs[0].token_ids == hf_greedy(path, prompt, 8)

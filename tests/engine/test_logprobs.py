@@ -1,0 +1,56 @@
+"""Generated and prompt logprobs equal log-softmax of transformers' logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.hf_reference import ARCHS, hf_logprobs, random_prompts
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logprobs_match_transformers(checkpoints, arch):
+    path = checkpoints[arch]
+    prompts = random_prompts(4, 5, 90, seed=11)
+    llm = LLM(str(path), device="cpu", max_num_batched_tokens=32)  # prompt logprobs over chunks
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=3, prompt_logprobs=2)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
+        completion = out.outputs[0]
+        ref = hf_logprobs(path, prompt + completion.token_ids)
+
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+        assert out.prompt_logprobs[0] is None
+        for pos in range(1, len(prompt)):
+            entry = out.prompt_logprobs[pos]
+            assert prompt[pos] in entry and len(entry) in (2, 3)  # actual token + top-2
+            for token, lp in entry.items():
+                assert abs(lp - float(ref[pos - 1, token])) < 1e-4
+
+        assert len(completion.logprobs) == len(completion.token_ids)
+        total = 0.0
+        for i, (token, entry) in enumerate(
+            zip(completion.token_ids, completion.logprobs, strict=True)
+        ):
+            row = ref[len(prompt) + i - 1]
+            top3 = row.topk(3).indices.tolist()
+            assert set(top3) <= set(entry) and token in entry
+            for t, lp in entry.items():
+                assert abs(lp - float(row[t])) < 1e-4
+            total += float(row[token])
+        assert math.isclose(completion.cumulative_logprob, total, abs_tol=1e-3)
+
+
+def test_prompt_logprobs_compute_blocks_that_kept_none(checkpoints):
+    """Blocks cached by a request that asked for no prompt logprobs kept none, so a request
+    asking for them computes its whole prompt."""
+    path = checkpoints["llama"]
+    llm = LLM(str(path), device="cpu")
+    prompt = list(range(10, 80))
+    llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0
+    assert all(len(e) == 1 for e in out.prompt_logprobs[1:])
+    assert all(e is not None for e in out.prompt_logprobs[1:])

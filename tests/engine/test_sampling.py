@@ -1,0 +1,184 @@
+"""Sampling settings, stop conditions, n > 1 and request validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.sampler import first_max_index
+from tests.hf_reference import hf_greedy, random_prompts
+
+PROMPTS = random_prompts(40, 4, 120, seed=5)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints):
+    return LLM(str(checkpoints["llama"]), device="cpu", seed=123)
+
+
+def test_seeded_sampling_ignores_batch_composition(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=42, max_tokens=16)
+    alone = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=0.8, max_tokens=1 + i % 20) for i in range(39)]
+    batch = llm.generate(PROMPTS[1:] + [PROMPTS[0]], others + [params], use_tqdm=False)
+    assert batch[-1].outputs[0].token_ids == alone
+    again = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert again == alone
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=43, max_tokens=16)
+    assert llm.generate([PROMPTS[0]], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_unseeded_sampling_varies(llm):
+    params = SamplingParams(temperature=1.0, max_tokens=12)
+    outs = llm.generate([PROMPTS[1]] * 4, params, use_tqdm=False)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) > 1
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(llm, checkpoints):
+    want = hf_greedy(checkpoints["llama"], PROMPTS[2], 8)
+    for params in (
+        SamplingParams(temperature=1.5, top_k=1, max_tokens=8),
+        SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=8),
+        SamplingParams(temperature=1.0, min_p=0.999, max_tokens=8),
+    ):
+        assert llm.generate([PROMPTS[2]], params, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
+def test_n_samples_share_prompt_blocks_and_copy_on_write(llm, checkpoints):
+    # unseen before (no cache hits); ends inside a block, so the shared partial block is copied
+    prompt = random_prompts(2, 37, 37, seed=99)[0]
+    before = llm.stats().prompt_tokens_computed
+    out = llm.generate([prompt], SamplingParams(n=3, temperature=0, max_tokens=10), use_tqdm=False)
+    assert llm.stats().prompt_tokens_computed - before == len(prompt)  # prefilled once
+    want = hf_greedy(checkpoints["llama"], prompt, 10)
+    assert [c.index for c in out[0].outputs] == [0, 1, 2]
+    assert all(c.token_ids == want for c in out[0].outputs)
+
+    seeded = SamplingParams(n=4, temperature=1.0, seed=9, max_tokens=10)
+    samples = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs
+    assert len({tuple(c.token_ids) for c in samples}) > 1
+    again = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs
+    assert [c.token_ids for c in samples] == [c.token_ids for c in again]
+    assert llm.stats().kv_blocks_used == 0
+
+
+def test_stop_token_ids_and_min_tokens(llm, checkpoints):
+    want = hf_greedy(checkpoints["llama"], PROMPTS[4], 12)
+    stop_at = want[5]
+    first = want.index(stop_at)
+    out = llm.generate(
+        [PROMPTS[4]],
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.token_ids == want[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+
+    banned = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, stop_token_ids=[stop_at])
+    out = llm.generate([PROMPTS[4]], banned, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 12 and stop_at not in out.token_ids
+    assert out.finish_reason == "length"
+
+
+def test_eos_and_ignore_eos(llm):
+    eos = next(iter(llm.eos_token_ids))
+    # min_tokens bans EOS, max_tokens bounds the run; ignore_eos keeps going past a natural EOS
+    out = llm.generate(
+        [PROMPTS[5]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
+    assert len(out.token_ids) == 30 and out.finish_reason == "length"
+    eos_positions = [i for i, t in enumerate(out.token_ids) if t == eos]
+    stopped = llm.generate(
+        [PROMPTS[5]], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False
+    )[0].outputs[0]
+    if eos_positions:
+        assert stopped.token_ids == out.token_ids[: eos_positions[0] + 1]
+        assert stopped.finish_reason == "stop"
+    else:
+        assert stopped.token_ids == out.token_ids
+
+
+def test_stop_strings_truncate_text(llm):
+    full = llm.generate(
+        ["The quick brown fox"], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False
+    )[0].outputs[0]
+    assert len(full.text) > 4
+    stop = full.text[3:5]
+    out = llm.generate(
+        ["The quick brown fox"],
+        SamplingParams(temperature=0, max_tokens=20, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[: full.text.index(stop)]
+    assert stop not in out.text
+
+
+def test_max_model_len_and_bad_prompts_are_rejected(checkpoints):
+    llm = LLM(str(checkpoints["llama"]), device="cpu", max_model_len=64)
+    with pytest.raises(ValueError, match="prompt has 64 tokens, but max_model_len is 64"):
+        llm.add_request("long", list(range(3, 67)), SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        llm.add_request("empty", [], SamplingParams())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.add_request("oov", [1, 99999], SamplingParams())
+    assert not llm.has_unfinished()
+    # output is cut at max_model_len
+    out = llm.generate(
+        [list(range(3, 63))], SamplingParams(temperature=0, max_tokens=50), use_tqdm=False
+    )[0].outputs[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_pool_smaller_than_max_model_len_is_refused(checkpoints):
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        LLM(str(checkpoints["llama"]), device="cpu", num_kv_blocks=4, max_model_len=128)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 0}, "n must be"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"logprobs": -1}, "logprobs"),
+    ],
+)
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_abort_frees_blocks(llm):
+    llm.add_request("gone", PROMPTS[6], SamplingParams(max_tokens=50))
+    llm.add_request("kept", PROMPTS[7], SamplingParams(temperature=0, max_tokens=3))
+    llm.step()
+    assert llm.stats().kv_blocks_used > 0
+    llm.abort("gone")
+    finished = []
+    while llm.has_unfinished():
+        finished += llm.step()
+    assert [o.request_id for o in finished] == ["kept"]
+    assert llm.stats().kv_blocks_used == 0
+
+
+def test_chat_uses_the_template(llm):
+    conversation = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = llm.apply_chat_template(conversation)
+    text = llm.tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>user\n") and text.endswith("<|im_start|>assistant\n")
+    out = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert out[0].prompt_token_ids == ids and len(out[0].outputs[0].token_ids) >= 1
+
+
+def test_first_max_index_is_argmax_with_first_index_on_ties():
+    logits = torch.randn(64, 32000, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(first_max_index(logits), logits.argmax(dim=-1))
+    tied = torch.zeros(3, 10)
+    tied[0, [2, 7]] = 5.0
+    tied[1, :] = float("-inf")
+    tied[1, [4, 9]] = 1.0
+    assert first_max_index(tied).tolist() == [2, 4, 0]

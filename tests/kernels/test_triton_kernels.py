@@ -1,0 +1,213 @@
+"""The Triton paged-attention kernels against the torch reference, on Triton's CPU interpreter.
+
+Every kernel runs on randomly drawn shapes: shuffled, non-contiguous block tables, context
+lengths that are not multiples of the block size, several GQA ratios, head sizes and block
+sizes, fp32 and bf16 caches. References are computed in float64. Outputs are poisoned with NaN
+before each run so that an element a kernel forgets to write fails the test.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton compiles anything: run on the CPU
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kernels import torch_paged as ref  # noqa: E402
+from kernels import triton_paged as tk  # noqa: E402
+from tests.hf_reference import assert_greedy_matches_hf_through  # noqa: E402
+
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
+HEAD_SIZES = (64, 80, 96, 128, 256)
+
+
+def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
+    assert not torch.isnan(out).any(), "the kernel left elements unwritten (NaN poison)"
+    return ((out.double() - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+
+
+def random_cache(
+    rng: random.Random,
+    contexts: list[int],
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+):
+    """Caches with each sequence's blocks scattered at random over a pool with spare blocks."""
+    needed = [-(-n // block_size) for n in contexts]
+    num_blocks = sum(needed) + 7
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    width = max(needed + [1])
+    tables = torch.zeros(len(contexts), width, dtype=torch.long)
+    at = 0
+    for i, n in enumerate(needed):
+        tables[i, :n] = torch.tensor(ids[at : at + n], dtype=torch.long)
+        at += n
+    shape = (num_blocks, kv_heads, block_size, head_dim)
+    k_cache = torch.randn(shape).to(dtype)
+    v_cache = torch.randn(shape).to(dtype)
+    return k_cache, v_cache, tables
+
+
+def reference_decode(q, k_cache, v_cache, tables, contexts, scale) -> torch.Tensor:
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k_cache.shape[1]
+    for i, n in enumerate(contexts):
+        if n == 0:
+            continue
+        k = ref.gather_context(k_cache.double(), tables[i], n).repeat_interleave(group, dim=0)
+        v = ref.gather_context(v_cache.double(), tables[i], n).repeat_interleave(group, dim=0)
+        p = (torch.einsum("hd,hnd->hn", q[i].double(), k) * scale).softmax(-1)
+        out[i] = torch.einsum("hn,hnd->hd", p, v)
+    return out
+
+
+DECODE_CASES = [
+    # (seed, batch, kv_heads, group, head_dim, block_size, dtype, num_splits)
+    (0, 5, 2, 1, 64, 16, torch.float32, None),
+    (1, 4, 2, 4, 80, 8, torch.float32, 3),
+    (2, 3, 1, 8, 96, 32, torch.float32, 1),
+    (3, 4, 2, 2, 128, 16, torch.bfloat16, 4),
+    (4, 2, 1, 4, 256, 16, torch.float32, 2),
+    (5, 4, 2, 3, 64, 32, torch.bfloat16, None),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"seed{c[0]}")
+def test_paged_decode_matches_reference(case):
+    seed, batch, kv_heads, group, head_dim, block_size, dtype, splits = case
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    contexts = [1] + [rng.randint(2, 2000) for _ in range(batch - 1)]
+    contexts = [n + 1 if n % block_size == 0 else n for n in contexts]
+    k_cache, v_cache, tables = random_cache(rng, contexts, kv_heads, head_dim, block_size, dtype)
+    heads = kv_heads * group
+    q = torch.randn(batch, heads, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    tk.paged_decode_attention(
+        q, k_cache, v_cache, tables, torch.tensor(contexts), scale, num_splits=splits, out=out
+    )
+    want = reference_decode(q, k_cache, v_cache, tables, contexts, scale)
+    assert rel_err(out, want) < TOLERANCE[dtype]
+
+
+def test_decode_empty_and_single_token_contexts_give_no_nan():
+    rng = random.Random(7)
+    contexts = [0, 1, 0, 5]
+    k_cache, v_cache, tables = random_cache(rng, contexts, 2, 64, 16, torch.float32)
+    q = torch.randn(4, 4, 64)
+    out = torch.full_like(q, float("nan"))
+    tk.paged_decode_attention(
+        q, k_cache, v_cache, tables, torch.tensor(contexts), 0.125, num_splits=3, out=out
+    )
+    assert not torch.isnan(out).any()
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[2], out[0])
+    want = reference_decode(q, k_cache, v_cache, tables, contexts, 0.125)
+    assert rel_err(out[[1, 3]], want[[1, 3]]) < 1e-3
+
+
+def test_choose_num_splits():
+    assert tk.choose_num_splits(batch=64, kv_heads=8, max_context_len=2048, num_sms=132) == 1
+    few_long = tk.choose_num_splits(batch=8, kv_heads=8, max_context_len=32768, num_sms=132)
+    assert few_long >= 4  # a few long sequences still fill the GPU
+    assert tk.choose_num_splits(batch=1, kv_heads=1, max_context_len=100, num_sms=132) == 1
+
+
+def reference_prefill(q, k_cache, v_cache, tables, query_start, contexts, scale):
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k_cache.shape[1]
+    for i, n in enumerate(contexts):
+        a, b = query_start[i], query_start[i + 1]
+        k = ref.gather_context(k_cache.double(), tables[i], n).repeat_interleave(group, dim=0)
+        v = ref.gather_context(v_cache.double(), tables[i], n).repeat_interleave(group, dim=0)
+        pos = torch.arange(n - (b - a), n)
+        mask = torch.arange(n)[None, :] <= pos[:, None]
+        s = torch.einsum("qhd,hnd->hqn", q[a:b].double(), k) * scale
+        p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+        out[a:b] = torch.einsum("hqn,hnd->qhd", p, v)
+    return out
+
+
+PREFILL_CASES = [
+    # (seed, kv_heads, group, head_dim, block_size, dtype, [(query_len, context_len), ...])
+    (0, 2, 1, 64, 16, torch.float32, [(37, 37), (5, 150), (1, 1)]),
+    (1, 2, 4, 80, 8, torch.float32, [(20, 300), (45, 45)]),
+    (2, 1, 8, 96, 32, torch.bfloat16, [(33, 33), (17, 70)]),
+    (3, 2, 2, 128, 16, torch.float32, [(16, 1999)]),  # a chunk after a long cached prefix
+    (4, 1, 2, 256, 16, torch.bfloat16, [(9, 9), (30, 61)]),
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"seed{c[0]}")
+def test_paged_prefill_matches_reference(case):
+    seed, kv_heads, group, head_dim, block_size, dtype, shapes = case
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    contexts = [c for _, c in shapes]
+    k_cache, v_cache, tables = random_cache(rng, contexts, kv_heads, head_dim, block_size, dtype)
+    query_start = [0]
+    for q_len, _ in shapes:
+        query_start.append(query_start[-1] + q_len)
+    q = torch.randn(query_start[-1], kv_heads * group, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    tk.paged_prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        torch.tensor(query_start),
+        torch.tensor(contexts),
+        scale,
+        out=out,
+    )
+    want = reference_prefill(q, k_cache, v_cache, tables, query_start, contexts, scale)
+    assert rel_err(out, want) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_only_its_slots(dtype):
+    torch.manual_seed(0)
+    num_blocks, kv_heads, block_size, head_dim = 12, 2, 16, 80
+    k_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim).to(dtype)
+    slots = torch.tensor([5, -1, 17, 190, -1, 33, 0])
+    key = torch.randn(len(slots), kv_heads, head_dim).to(dtype)
+    value = torch.randn(len(slots), kv_heads, head_dim).to(dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    ref.write_kv(key[keep], value[keep], want_k, want_v, slots[keep])
+    tk.store_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)  # the whole cache
+
+
+def test_engine_greedy_matches_transformers_through_triton(checkpoints):
+    assert_greedy_matches_hf_through(checkpoints["qwen3"], "triton", seed=3)
+
+
+def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
+    from kernels import get_attention_backend
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        get_attention_backend("triton", torch.device("cpu"))
+    assert get_attention_backend("auto", torch.device("cpu")).name == "torch"
+
+
+def test_kernel_benchmark_runs_or_says_there_is_no_gpu():
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "bench/triton_decode.py"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    expected = "goal:" if torch.cuda.is_available() else "no CUDA GPU"
+    assert expected in done.stdout

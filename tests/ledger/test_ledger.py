@@ -1,0 +1,298 @@
+"""The ledger on real PostgreSQL (and SQLite): migrations, at-most-once results, sharding."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+
+from conveyor.batch_format.validation import validate
+from conveyor.settings import normalize_database_url
+from conveyor.testing import batch_lines
+from ledger import intake, results, shard_lifecycle
+from ledger.db import Ledger
+from ledger.migrate import alembic_config
+from ledger.models import Base, BatchRow, RequestRow, ResultRow, ShardRow
+
+HEAD = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+TABLES = {"files", "batches", "shards", "requests", "results", "workers", "alembic_version"}
+
+
+def migrate(url: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "conveyor", "migrate", "--database-url", url],
+        capture_output=True,
+        text=True,
+    )
+
+
+@pytest.fixture
+def empty_database(postgres_server: str):
+    import uuid
+
+    admin = sa.create_engine(normalize_database_url(postgres_server), isolation_level="AUTOCOMMIT")
+    name = f"conveyor_m_{uuid.uuid4().hex[:8]}"
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    url = normalize_database_url(postgres_server).rsplit("/", 1)[0] + f"/{name}"
+    yield url
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
+def test_migrate_creates_the_ledger(backend, empty_database, tmp_path: Path):
+    url = empty_database if backend == "postgresql" else f"sqlite:///{tmp_path / 'l.db'}"
+    first = migrate(url)
+    assert first.returncode == 0, first.stderr
+    assert f"revision {HEAD}" in first.stdout
+    engine = sa.create_engine(url)
+    assert set(sa.inspect(engine).get_table_names()) >= TABLES
+    with engine.connect() as conn:  # the migrations build exactly what the models describe
+        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    assert diff == []
+    engine.dispose()
+    again = migrate(url)  # idempotent
+    assert again.returncode == 0, again.stderr
+
+
+def make_batch(ledger: Ledger, lines: list[dict], shard_size: int = 4) -> tuple[str, list]:
+    data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    f = io.BytesIO(data)
+    validation = validate(f, "/v1/chat/completions", 1 << 20, 1000)
+    assert not validation.errors
+    with ledger.session() as session:
+        batch = BatchRow(
+            id=f"batch_{time.time_ns()}",
+            input_file_id="file-x",
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            model=validation.model,
+            status="in_progress",
+            created_at=0,
+            total=len(validation.records),
+        )
+        session.add(batch)
+        session.flush()
+        shards = intake.store_requests(session, batch, f, validation, shard_size, "q")
+        return batch.id, [(s.id, s.index, s.prefix_key) for s in shards]
+
+
+def tally_results(session, batch_id: str) -> results.Counts:
+    """A batch's totals counted from its result rows: what its counters must equal."""
+    row = session.execute(
+        sa.select(
+            sa.func.count(ResultRow.seq).filter(ResultRow.ok),
+            sa.func.count(ResultRow.seq).filter(~ResultRow.ok),
+            sa.func.coalesce(sa.func.sum(ResultRow.prompt_tokens), 0),
+            sa.func.coalesce(sa.func.sum(ResultRow.completion_tokens), 0),
+            sa.func.coalesce(sa.func.sum(ResultRow.cached_tokens), 0),
+        ).where(ResultRow.batch_id == batch_id)
+    ).one()
+    return results.Counts(*(int(x) for x in row))
+
+
+def test_a_result_is_recorded_at_most_once(database_url: str):
+    ledger = Ledger(normalize_database_url(database_url))
+    batch_id, _ = make_batch(ledger, batch_lines(3))
+    with ledger.session() as session:
+        rid = session.execute(sa.select(RequestRow.id).limit(1)).scalar_one()
+
+    def row(text: str) -> dict:
+        return dict(
+            request_id=rid,
+            batch_id=batch_id,
+            line_id=text,
+            ok=True,
+            output=text,
+            created_at=time.time(),
+            prompt_tokens=7,
+            completion_tokens=3,
+            cached_tokens=2,
+        )
+
+    with ledger.session() as session:
+        results.record_results(session, [row("first")])
+    with ledger.session() as session:
+        results.record_results(session, [row("second")])  # a redelivered shard's duplicate
+    with ledger.session() as session:
+        outputs = (
+            session.execute(sa.select(ResultRow.output).where(ResultRow.request_id == rid))
+            .scalars()
+            .all()
+        )
+        assert outputs == ["first"]
+        # the batch's running counters counted the first result only
+        counted = results.counts(session.get(BatchRow, batch_id))
+        assert counted == tally_results(session, batch_id)
+        assert (counted.completed, counted.failed, counted.prompt_tokens) == (1, 0, 7)
+        assert (counted.completion_tokens, counted.cached_tokens) == (3, 2)
+        # the constraint itself, not only the code, refuses a second result
+        with pytest.raises(sa.exc.IntegrityError), session.begin_nested():
+            session.execute(sa.insert(ResultRow), [row("third")])
+    ledger.dispose()
+
+
+def test_shards_group_requests_by_system_prompt(database_url: str):
+    ledger = Ledger(normalize_database_url(database_url))
+    lines = []
+    for i in range(12):  # three system prompts, interleaved
+        system = f"system prompt {i % 3}"
+        lines += batch_lines(1, system=system, prefix=f"r{i}")
+    batch_id, shards = make_batch(ledger, lines, shard_size=4)
+    assert len(shards) == 3
+    with ledger.session() as session:
+        for _, index, _ in shards:
+            raws = (
+                session.execute(
+                    sa.select(RequestRow.raw).where(
+                        RequestRow.batch_id == batch_id, RequestRow.shard_index == index
+                    )
+                )
+                .scalars()
+                .all()
+            )
+            systems = {json.loads(r)["body"]["messages"][0]["content"] for r in raws}
+            assert len(raws) == 4 and len(systems) == 1
+        assert session.execute(sa.select(sa.func.count(ShardRow.id))).scalar_one() == 3
+    ledger.dispose()
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def any_ledger(request, tmp_path: Path):
+    if request.param == "postgresql":
+        url = normalize_database_url(request.getfixturevalue("database_url"))
+    else:
+        url = f"sqlite:///{tmp_path / 'l.db'}"
+        assert migrate(url).returncode == 0
+    ledger = Ledger(url)
+    yield ledger
+    ledger.dispose()
+
+
+def result_row(batch_id: str, request_id: int, ok: bool = True) -> dict:
+    return dict(
+        request_id=request_id,
+        batch_id=batch_id,
+        line_id=f"line-{request_id}",
+        ok=ok,
+        output="{}",
+        created_at=time.time(),
+    )
+
+
+def test_a_shard_runs_to_the_end_of_its_batch(any_ledger: Ledger):
+    """claim -> some results -> finish reopens the shard -> a second claim takes only what is
+    left -> finish closes it -> the batch completes once every shard is done."""
+    batch_id, shards = make_batch(any_ledger, batch_lines(6), shard_size=3)
+    (first_id, _, _), (second_id, _, _) = shards
+    with any_ledger.session() as session:
+        claim = shard_lifecycle.claim_shard(session, first_id, "w1")
+    assert claim is not None and claim.batch_id == batch_id and len(claim.requests) == 3
+    assert claim.model == "tiny"
+    done_ids = [request_id for request_id, _, _ in claim.requests[:2]]
+    with any_ledger.session() as session:
+        results.record_results(session, [result_row(batch_id, i) for i in done_ids])
+        shard_lifecycle.close_shards(session, [(first_id, batch_id)], 60)
+    with any_ledger.session() as session:
+        assert session.get(ShardRow, first_id).status == "queued"  # one request left
+        again = shard_lifecycle.claim_shard(session, first_id, "w2")
+    assert again is not None and [r[0] for r in again.requests] == [claim.requests[2][0]]
+    with any_ledger.session() as session:
+        shard = session.get(ShardRow, first_id)
+        assert (shard.status, shard.attempts, shard.worker) == ("running", 2, "w2")
+        results.record_results(session, [result_row(batch_id, again.requests[0][0], ok=False)])
+        shard_lifecycle.close_shards(session, [(first_id, batch_id)], 60)
+    with any_ledger.session() as session:
+        assert session.get(BatchRow, batch_id).status == "in_progress"  # the second shard is open
+    with any_ledger.session() as session:
+        second = shard_lifecycle.claim_shard(session, second_id, "w1")
+        results.record_results(session, [result_row(batch_id, r[0]) for r in second.requests])
+        shard_lifecycle.close_shards(
+            session, [(second_id, batch_id)], 60
+        )  # the last one: the batch completes
+    with any_ledger.session() as session:
+        batch = session.get(BatchRow, batch_id)
+        assert batch.status == "completed"
+        assert (batch.completed_count, batch.failed_count) == (5, 1)
+        assert batch.output_file_id and batch.error_file_id
+        assert (
+            shard_lifecycle.claim_shard(session, second_id, "w1") is None
+        )  # a finished batch runs nothing
+
+
+def test_a_cancelled_batch_gives_no_shard_to_run(any_ledger: Ledger):
+    batch_id, shards = make_batch(any_ledger, batch_lines(4), shard_size=4)
+    with any_ledger.session() as session:
+        session.get(BatchRow, batch_id).status = "cancelling"
+    with any_ledger.session() as session:
+        assert shard_lifecycle.claim_shard(session, shards[0][0], "w1") is None
+        assert session.get(ShardRow, shards[0][0]).attempts == 0
+
+
+def test_a_shard_that_keeps_failing_is_quarantined(any_ledger: Ledger):
+    """Runs that end cleanly do not count; after `max_attempts` failed runs the next claim,
+    whatever sent the shard again, gives its unfinished requests error lines and closes it."""
+    lines = batch_lines(5)
+    batch_id, [(shard_id, _, _)] = make_batch(any_ledger, lines, shard_size=5)
+
+    def claim() -> shard_lifecycle.ClaimedShard | None:
+        with any_ledger.session() as session:
+            return shard_lifecycle.claim_shard(
+                session, shard_id, "w1", max_attempts=2, heartbeat_timeout=60
+            )
+
+    def attempts() -> int:
+        with any_ledger.session() as session:
+            return session.get(ShardRow, shard_id).attempts
+
+    first = claim()
+    assert first is not None and len(first.requests) == 5 and not first.quarantined
+    with any_ledger.session() as session:  # two results, then a clean hand-back (SIGTERM)
+        results.record_results(session, [result_row(batch_id, r[0]) for r in first.requests[:2]])
+        shard_lifecycle.close_shards(session, [(shard_id, batch_id)], 60)
+        shard_lifecycle.give_back_attempt(session, shard_id)
+    assert attempts() == 0
+    for failures in (1, 2):  # runs whose worker died: re-sent without a close
+        again = claim()
+        assert again is not None and len(again.requests) == 3 and not again.quarantined
+        assert attempts() == failures
+    quarantined = claim()
+    assert quarantined is not None and quarantined.quarantined and quarantined.requests == []
+    with any_ledger.session() as session:
+        shard = session.get(ShardRow, shard_id)
+        batch = session.get(BatchRow, batch_id)
+        errors = [
+            json.loads(output)
+            for output in session.execute(
+                sa.select(ResultRow.output).where(ResultRow.ok.is_(False))
+            ).scalars()
+        ]
+        assert shard.status == "done"
+        assert batch.status == "completed"  # its last shard: the batch finished
+        assert (batch.completed_count, batch.failed_count) == (2, 3)
+        assert results.counts(batch) == tally_results(session, batch_id)
+    taken = {r[0] for r in first.requests[2:]}
+    assert len(errors) == 3
+    for error in errors:
+        assert error["error"]["code"] == "request_quarantined"
+        assert error["response"]["status_code"] == 500
+        assert "failed 2 times" in error["error"]["message"]
+        assert "CONVEYOR_MAX_SHARD_ATTEMPTS=2" in error["error"]["message"]
+    assert sorted(e["error"]["line"] for e in errors) == sorted(
+        line for rid, line, _ in first.requests if rid in taken
+    )
+    assert {e["custom_id"] for e in errors} == {
+        lines[line - 1]["custom_id"] for rid, line, _ in first.requests if rid in taken
+    }
+    assert claim() is None  # a finished batch runs nothing

@@ -1,0 +1,131 @@
+"""Embedded mode: `conveyor serve` with neither DATABASE_URL nor REDIS_URL runs the API and an
+in-process worker on SQLite under CONVEYOR_DATA_DIR, serving a demo model as `demo`; `conveyor
+submit` drives a batch through it end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conveyor.testing import batch_lines, free_port, write_jsonl
+
+EXIT_BATCH_FAILED = 3
+EXIT_TOO_MANY_FAILED = 6
+
+
+@pytest.fixture
+def embedded(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """(URL of a running embedded service, the environment it and its clients use)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")} | {
+        "CONVEYOR_DATA_DIR": str(tmp_path / "data"),
+        "PYTHONUNBUFFERED": "1",
+    }
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "conveyor", "serve", "--port", str(port)],
+            env=env,
+            cwd=tmp_path,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.time() + 180
+        while True:
+            assert proc.poll() is None, f"serve exited with {proc.returncode}:\n" + (
+                log_path.read_text(errors="replace")
+            )
+            try:
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "serve did not start:\n" + log_path.read_text()
+            time.sleep(0.3)
+        yield url, env
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def submit(url: str, env: dict[str, str], path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "conveyor", "submit", str(path), "--url", url, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_embedded_serve_and_submit(embedded: tuple[str, dict[str, str]], tmp_path: Path):
+    url, env = embedded
+    lines = batch_lines(12, max_tokens=6)
+    lines += batch_lines(4, system="Answer in French.", prefix="fr", max_tokens=4)
+    for line in lines:
+        del line["body"]["model"]  # `submit --model demo` fills it in
+    path = write_jsonl(tmp_path / "in.jsonl", lines)
+    out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+
+    wait = ("--model", "demo", "--wait", "--poll", "0.3", "-o", str(out), "--errors", str(err))
+    done = submit(url, env, path, *wait)
+    assert done.returncode == 0, done.stderr
+    batch_id = done.stdout.split()[0]
+    assert batch_id.startswith("batch_")
+    assert "16 completed, 0 failed of 16" in done.stderr
+    assert err.read_text() == ""
+
+    outputs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(o["custom_id"] for o in outputs) == sorted(x["custom_id"] for x in lines)
+    for o in outputs:
+        assert o["error"] is None and o["response"]["status_code"] == 200, o
+        body = o["response"]["body"]
+        assert body["model"] == "demo"
+        assert 1 <= body["usage"]["completion_tokens"] <= 6
+        assert body["choices"][0]["message"]["role"] == "assistant"
+
+    # the ledger and broker are SQLite files under the data directory, and the API says so
+    data = tmp_path / "data"
+    assert (data / "conveyor.db").is_file() and (data / "broker.db").is_file()
+    assert (data / "demo-model" / "config.json").is_file()
+    models = {m["id"] for m in httpx.get(url + "/v1/models").json()["data"]}
+    assert "demo" in models
+    batch = httpx.get(f"{url}/v1/batches/{batch_id}").json()
+    assert batch["status"] == "completed" and batch["model"] == "demo"
+    assert batch["request_counts"] == {"total": 16, "completed": 16, "failed": 0}
+
+    # a line that fails alone lands in --errors; with --max-failed 1 that is still success
+    bad = [*lines[:3], {**lines[3], "body": {**lines[3]["body"], "temperature": -1}}]
+    bad_path = write_jsonl(tmp_path / "bad.jsonl", bad)
+    done = submit(url, env, bad_path, *wait)
+    assert done.returncode == EXIT_TOO_MANY_FAILED, done.stderr  # over --max-failed 0
+    done = submit(url, env, bad_path, *wait, "--max-failed", "1")
+    assert done.returncode == 0, done.stderr
+    assert sorted(json.loads(x)["custom_id"] for x in out.read_text().splitlines()) == [
+        x["custom_id"] for x in lines[:3]
+    ]
+    errors = [json.loads(x) for x in err.read_text().splitlines()]
+    assert [(e["custom_id"], e["error"]["line"]) for e in errors] == [(lines[3]["custom_id"], 4)]
+
+    # a file that fails validation: exit code 3 and the line named on stderr
+    dup = write_jsonl(tmp_path / "dup.jsonl", [lines[0], lines[1], lines[0]])
+    done = submit(url, env, dup, "--model", "demo", "--wait")
+    assert done.returncode == EXIT_BATCH_FAILED, done.stderr
+    assert "line 3: duplicate_custom_id" in done.stderr
