@@ -143,12 +143,12 @@ class RefusingEcho(EchoEngine):
     """An echo engine whose tokenizer cannot take one prompt (as a real one fails on a lone
     surrogate)."""
 
-    def add_request(self, request_id: str, prompt: Any, params: Any) -> None:
+    def add_request(self, request_id: str, prompt: Any, params: Any, **options: Any) -> None:
         if prompt == "poison":
             raise TypeError("TextEncodeInput must be Union[TextInputSequence, ...]")
         if prompt == "too long":
             raise ValueError("the prompt has 9 tokens, but max_model_len is 4")
-        super().add_request(request_id, prompt, params)
+        super().add_request(request_id, prompt, params, **options)
 
 
 def test_the_engine_loop_survives_a_request_it_cannot_take() -> None:
