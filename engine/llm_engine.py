@@ -28,6 +28,7 @@ from engine.sampler import Sampler, SampleRequest
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Request, Sequence
+from engine.structured_output import StructuredOutputs
 from kernels import get_attention_backend
 
 Prompt = str | list[int]
@@ -90,6 +91,9 @@ class LLMEngine:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
+        self.structured_outputs = StructuredOutputs(
+            self.tokenizer, self.vocab_size, self.eos_token_ids
+        )
         self.prompt_logprobs = PromptLogprobs(self.block_manager, net)
         self.requests: dict[str, Request] = {}
         self.generation_tokens = 0
@@ -193,14 +197,35 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens, but max_model_len is "
                 f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens fit"
             )
+        self._check_token_ids(params)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.structured_outputs.compile(params.structured_outputs)
         text = prompt if isinstance(prompt, str) else None
         request = Request(request_id, text, token_ids, params, priority=priority, stream=stream)
+        request.grammar = grammar
         if params.prompt_logprobs is not None:
             request.prompt_entries = [None]
         seq = Sequence(request, 0, list(token_ids), len(token_ids), self._generator(params, 0))
+        seq.matcher = self._matcher(request)
         request.seqs.append(seq)
         self.requests[request_id] = request
         self.scheduler.add(seq)
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        for name, ids in (
+            ("logit_bias", params.logit_bias or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
+            outside = [t for t in ids if t >= self.vocab_size]
+            if outside:
+                raise ValueError(
+                    f"{name} names token id {outside[0]}, outside the model's vocabulary "
+                    f"(ids 0-{self.vocab_size - 1})"
+                )
+
+    def _matcher(self, request: Request) -> Any:
+        return None if request.grammar is None else self.structured_outputs.matcher(request.grammar)
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.seed is None or params.greedy:
@@ -254,6 +279,8 @@ class LLMEngine:
         scheduled.sort(key=lambda item: item.num_new_tokens > 1)  # decodes first
         self.runner.copy_blocks(self.block_manager.take_pending_copies())
         completing = [item.seq for item in scheduled if item.completes]
+        # the token masks need only tokens already chosen: fill them while the model runs
+        masks = self.structured_outputs.fill_async([s.matcher for s in completing])
         self.prompt_logprobs.fill_from_cache(scheduled)
         result = self.runner.run(scheduled, self.prompt_logprobs.seqs_to_compute(scheduled))
         self.prompt_logprobs.record(scheduled, result.prompt_logits)
@@ -261,13 +288,17 @@ class LLMEngine:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_computed_blocks(item.seq)
         self.prompt_logprobs.keep(scheduled, result.prompt_boundaries)
-        seqs, logits = self._samples(completing, result.sample_logits)
-        sampled = self.sampler(logits, [self._sample_request(s) for s in seqs])
+        seqs, rows, logits = self._samples(completing, result.sample_logits)
+        token_mask = None
+        if masks is not None:
+            bitmask = masks.result()[torch.tensor(rows)]
+            token_mask = lambda rows_logits: self.structured_outputs.apply(rows_logits, bitmask)  # noqa: E731
+        sampled = self.sampler(logits, [self._sample_request(s) for s in seqs], token_mask)
         return self._advance(seqs, sampled.token_ids, sampled.logprobs)
 
     def _samples(
         self, completing: list[Sequence], logits: torch.Tensor
-    ) -> tuple[list[Sequence], torch.Tensor]:
+    ) -> tuple[list[Sequence], list[int], torch.Tensor]:
         """The sequences to sample a token for and their logits rows: a request's first
         completed prompt forks into its `n` samples here, sharing the prompt's row."""
         rows, seqs = [], []
@@ -280,7 +311,7 @@ class LLMEngine:
             seqs.append(seq)
         if len(rows) != len(completing):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        return seqs, logits
+        return seqs, rows, logits
 
     def _advance(
         self, seqs: list[Sequence], tokens: list[int], logprobs: list[TokenLogprobs | None]
@@ -357,6 +388,7 @@ class LLMEngine:
                 parent.num_prompt_tokens,
                 self._generator(request.params, index),
             )
+            child.matcher = self._matcher(request)
             self.block_manager.fork(parent, child)
             self.scheduler.add_running(child)
             request.seqs.append(child)
@@ -370,7 +402,7 @@ class LLMEngine:
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
                 banned += list(self.eos_token_ids)
-        return SampleRequest(params, seq.generator, banned)
+        return SampleRequest(params, seq.generator, banned, seq.token_ids, seq.num_prompt_tokens)
 
     def _append_token(self, seq: Sequence, token: int, top: TokenLogprobs | None) -> None:
         params = seq.request.params
@@ -382,6 +414,15 @@ class LLMEngine:
             seq.cumulative_logprob += top[token]
         self.generation_tokens += 1
 
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(token):
+                raise RuntimeError(
+                    f"the structured output's grammar refused token {token}: "
+                    f"{seq.matcher.get_error()}"
+                )
+            if seq.matcher.is_stopped():
+                seq.finish_reason = "stop"
+                return
         num_out = seq.num_output_tokens
         if num_out >= params.min_tokens:
             if token in params.stop_token_ids:

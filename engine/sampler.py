@@ -1,26 +1,23 @@
 """Turn one row of logits per sequence into the next token.
 
-Each row is processed on its own (temperature, top-k, top-p, min-p), and a row with a seed draws
-its noise from its own generator, so a seeded request samples the same tokens whatever else is
-in the batch. Sampling uses the exponential-race form of the categorical draw:
+The rows' own adjustments come first (a structured output's token mask, then
+`engine.logits_processors`); then each row's temperature, top-k, top-p, min-p. A row with a
+seed draws its noise from its own generator, so a seeded request samples the same tokens
+whatever else is in the batch. Sampling uses the exponential-race form of the categorical draw:
 argmax(p / q) with q ~ Exp(1) picks token i with probability p_i.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from engine.logits_processors import SampleRequest, apply_logits_processors
 from engine.outputs import TokenLogprobs
-from engine.sampling_params import SamplingParams
 
-
-@dataclass
-class SampleRequest:
-    params: SamplingParams
-    generator: torch.Generator | None
-    banned_token_ids: list[int]  # EOS / stop ids while fewer than min_tokens were generated
+__all__ = ["SampleRequest", "SampleResult", "Sampler"]
 
 
 @dataclass
@@ -34,14 +31,20 @@ class Sampler:
         self.generator = generator  # for rows without a seed
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: list[SampleRequest],
+        token_mask: Callable[[torch.Tensor], None] | None = None,
+    ) -> SampleResult:
+        """`token_mask`, when given, masks the logits in place (structured outputs)."""
         logits = logits.float()
         # raw model logprobs, before any sampling transform, and only if a row asks for them
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        for i, row in enumerate(rows):
-            if row.banned_token_ids:
-                logits[i, row.banned_token_ids] = float("-inf")
+        if token_mask is not None:
+            token_mask(logits)
+        apply_logits_processors(logits, rows)
 
         greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
         tokens = first_max_index(logits)

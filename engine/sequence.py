@@ -6,7 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,6 +46,7 @@ class Sequence:
     stop_reason: int | str | None = None
     text: str = ""  # detokenized output, kept only when stop strings must be checked
     arrival_time: float = 0.0  # when it (last) joined the waiting queue, scheduler clock
+    matcher: Any = None  # its structured output's grammar state, if the request has one
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +77,7 @@ class Request:
     # prompt_entries[i] is for prompt token i; entry 0 is None (nothing predicts it)
     prompt_entries: list[LogprobEntry | None] | None = None
     num_cached_tokens: int | None = None  # prompt tokens served from the cache on first admission
+    grammar: Any = None  # the compiled structured output constraint, if any
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     @property
