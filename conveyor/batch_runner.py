@@ -86,12 +86,9 @@ class BatchRunner:
             try:
                 self.llm.add_request(request_id, prompt, params)
             except ValueError as err:
+                code, param = classify_engine_error(str(err), request.is_chat)
                 raise BatchRequestError(
-                    str(err),
-                    code=classify_engine_error(str(err)),
-                    line=lineno,
-                    custom_id=request.custom_id,
-                    param="body.messages" if request.is_chat else "body.prompt",
+                    str(err), code=code, line=lineno, custom_id=request.custom_id, param=param
                 ) from None
         except BatchRequestError as err:
             self._emit_error(err)

@@ -18,7 +18,12 @@ from functools import partial
 from typing import Any
 
 from conveyor.batch_format.bodies import CHAT_URL, COMPLETIONS_URL, DetokenizeBody, TokenizeBody
-from conveyor.batch_format.errors import INTERNAL_ERROR, INVALID_REQUEST, BatchRequestError
+from conveyor.batch_format.errors import (
+    INTERNAL_ERROR,
+    INVALID_REQUEST,
+    BatchRequestError,
+    classify_engine_error,
+)
 from conveyor.batch_format.request_line import OnlineRequest, parse_online_body
 from conveyor.batch_format.responses import (
     chat_completion_body,
@@ -189,7 +194,8 @@ class OnlineServer(threading.Thread):
 
     def _on_error(self, call: _Call, err: Exception) -> None:
         if isinstance(err, ValueError):  # the engine's word that the request is bad
-            self._finish(call, error_answer(400, str(err), INVALID_REQUEST, "prompt"))
+            code, param = classify_engine_error(str(err), call.message.kind == "chat")
+            self._finish(call, error_answer(400, str(err), code, param.removeprefix("body.")))
         else:
             self._finish(call, error_answer(500, f"{type(err).__name__}: {err}", INTERNAL_ERROR))
 

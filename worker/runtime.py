@@ -361,13 +361,8 @@ class WorkerRuntime:
 
     def _on_refused(self, batch_id, request_id, parsed, pending, err: Exception) -> None:
         if isinstance(err, ValueError):  # the engine's word that the request is bad
-            line = build_error_line(
-                parsed.custom_id,
-                classify_engine_error(str(err)),
-                str(err),
-                line=parsed.line,
-                param="body.messages" if parsed.is_chat else "body.prompt",
-            )
+            code, param = classify_engine_error(str(err), parsed.is_chat)
+            line = build_error_line(parsed.custom_id, code, str(err), line=parsed.line, param=param)
         else:
             line = self._internal_error(
                 parsed, f"the engine failed on this request: {type(err).__name__}: {err}"

@@ -31,6 +31,7 @@ from conveyor.batch_format.errors import (
     MODEL_NOT_FOUND,
     MODEL_UNAVAILABLE,
     TIMEOUT,
+    UNKNOWN_PARAMETER,
     BatchRequestError,
 )
 from conveyor.batch_format.request_line import parse_online_body
@@ -195,6 +196,9 @@ def _checked(model_cls: type[TokenizeBody] | type[DetokenizeBody], body: dict[st
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
         param = ".".join(str(p) for p in first.get("loc", ())) or None
+        if first.get("type") == "extra_forbidden":
+            message = f'Unrecognized request argument supplied: "{param}"'
+            raise APIError(400, message, code=UNKNOWN_PARAMETER, param=param) from None
         raise APIError(
             400, first.get("msg", "invalid body"), code=INVALID_REQUEST, param=param
         ) from None

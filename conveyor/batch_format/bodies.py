@@ -1,8 +1,8 @@
 """The request bodies of the two endpoints a batch line (or an online request) can call,
 type- and range-checked, with what they ask of the engine's `SamplingParams`.
 
-Body fields not declared here (`presence_penalty`, `logit_bias`, `user`, `stream`, ...) are
-ignored, as OpenAI clients send many of them.
+A field declared here is honoured. Fields accepted without effect, and the refused ones, are
+listed in `fields.py`; the models forbid anything else.
 """
 
 from __future__ import annotations
@@ -23,14 +23,16 @@ SUPPORTED_URLS = (CHAT_URL, COMPLETIONS_URL)
 
 
 # OpenAI accepts this many top alternatives per token.
-# OpenAI accepts this many top alternatives per token.
 MAX_CHAT_TOP_LOGPROBS = 20
 
 
 MAX_COMPLETION_LOGPROBS = 5
 
+# OpenAI's range for a logit_bias value (the engine's SamplingParams checks the same)
+MAX_LOGIT_BIAS = 100.0
 
-_BODY_CONFIG = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+_BODY_CONFIG = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
 def _check_stop(value: Any) -> str | list[str] | None:
@@ -67,19 +69,74 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: Any = None
     skip_special_tokens: bool | None = None
+    # logits: OpenAI's penalties and bias, vLLM's repetition penalty and allowed ids
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: Any = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # online requests only: a batch line cannot stream
     stream: bool | None = None
     stream_options: dict[str, Any] | None = None
+    # accepted without effect (see fields.py)
+    user: Any = None
+    safety_identifier: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, value: Any) -> Any:
         return _check_stop(value)
 
-    @field_validator("stop_token_ids")
+    @field_validator("stop_token_ids", "allowed_token_ids")
     @classmethod
-    def _stop_token_ids(cls, value: Any) -> Any:
+    def _token_id_list(cls, value: Any) -> Any:
         return None if value is None else _check_token_ids(value)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit() or not key.isascii():
+                raise ValueError(f"keys must be token ids (decimal strings), got {describe(key)}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_structure(self) -> _SamplingFields:
+        given = [name for name in _STRUCTURE_FIELDS if getattr(self, name) is not None]
+        if isinstance(self.response_format, ResponseFormat) and self.response_format.type == "text":
+            given.remove("response_format")
+        if len(given) > 1:
+            raise ValueError(
+                f"give at most one of {', '.join(given)}: they all constrain the output"
+            )
+        return self
+
+    def structure(self) -> dict[str, Any] | None:
+        """The output constraint asked for, as `StructuredOutputsParams` keyword arguments."""
+        if self.response_format is not None:
+            return self.response_format.structure()
+        if self.structured_outputs is not None:
+            return self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar")):  # fmt: skip
+            if getattr(self, name) is not None:
+                return {key: getattr(self, name)}
+        return None
 
     def common_sampling_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
@@ -97,9 +154,78 @@ class _SamplingFields(BaseModel):
             "ignore_eos": self.ignore_eos,
             "stop_token_ids": None if self.stop_token_ids is None else list(self.stop_token_ids),
             "skip_special_tokens": self.skip_special_tokens,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": None if not self.logit_bias else dict(self.logit_bias),
+            "allowed_token_ids": self.allowed_token_ids,
+            "structured_outputs": self.structure(),
         }
         kwargs.update({name: value for name, value in optional.items() if value is not None})
         return kwargs
+
+
+class ResponseFormatJsonSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON following a schema."""
+
+    model_config = _BODY_CONFIG
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: ResponseFormatJsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('"json_schema" is required with type "json_schema", and only then')
+        return self
+
+    def structure(self) -> dict[str, Any] | None:
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            assert self.json_schema is not None
+            return {"json": self.json_schema.schema_ or {}}
+        return None
+
+
+class StructuredOutputsBody(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of a JSON schema, a regex, a choice of strings
+    or an EBNF grammar."""
+
+    model_config = _BODY_CONFIG
+
+    json_: Any = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputsBody:
+        given = [k for k in ("json_", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]  # fmt: skip
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar or json_object")
+        if self.json_ is not None and not isinstance(self.json_, dict | str):
+            raise ValueError(
+                f'"json" must be a JSON schema (an object), got {describe(self.json_)}'
+            )
+        return self
+
+
+_STRUCTURE_FIELDS = (
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar",
+)  # fmt: skip
 
 
 class ChatMessage(BaseModel):
@@ -107,6 +233,7 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None
+    name: str | None = None  # given to the chat template, which may use it
 
     @field_validator("content")
     @classmethod
@@ -138,6 +265,8 @@ class ChatCompletionBody(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+    modalities: list[Literal["text"]] | None = None  # text is what a chat model answers in
+    parallel_tool_calls: Any = None  # accepted without effect (see fields.py)
 
     def sampling_kwargs(self) -> dict[str, Any]:
         kwargs = self.common_sampling_kwargs()
@@ -151,7 +280,13 @@ class ChatCompletionBody(_SamplingFields):
         return kwargs
 
     def message_dicts(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.content or ""} for m in self.messages]
+        messages = []
+        for m in self.messages:
+            message = {"role": m.role, "content": m.content or ""}
+            if m.name is not None:
+                message["name"] = m.name
+            messages.append(message)
+        return messages
 
 
 class CompletionBody(_SamplingFields):
@@ -159,6 +294,17 @@ class CompletionBody(_SamplingFields):
     max_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _best_of(self) -> CompletionBody:
+        n = self.n or 1
+        if self.best_of is not None and self.best_of != n:
+            raise ValueError(
+                f"best_of other than n is not supported (best_of {self.best_of}, n {n}): "
+                "ask for n samples and rank them by their logprobs"
+            )
+        return self
 
     @field_validator("prompt")
     @classmethod

@@ -16,6 +16,9 @@ DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
 MISMATCHED_MODEL = "mismatched_model"
 MODEL_NOT_FOUND = "model_not_found"
 INVALID_SAMPLING_PARAMS = "invalid_sampling_params"
+UNKNOWN_PARAMETER = "unknown_parameter"  # a body field no endpoint has (or a query parameter)
+UNSUPPORTED_PARAMETER = "unsupported_parameter"  # a field that would change results, not built
+INVALID_RESPONSE_FORMAT = "invalid_response_format"  # a constraint the grammar cannot compile
 MAX_TOKENS_TOO_LARGE = "max_tokens_too_large"
 INVALID_PROMPT = "invalid_prompt"
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
@@ -36,7 +39,6 @@ EMPTY_FILE = "empty_file"
 # answers of the HTTP API
 NOT_FOUND = "not_found"
 INVALID_API_KEY = "invalid_api_key"
-UNKNOWN_PARAMETER = "unknown_parameter"
 REQUEST_TOO_LARGE = "request_too_large"
 TOO_MANY_BATCHES = "too_many_batches"
 IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
@@ -81,12 +83,19 @@ class FileLimitError(Exception):
         super().__init__(message)
 
 
-def classify_engine_error(message: str) -> str:
-    """Error code for a `ValueError` the engine raised when the request was added."""
+def classify_engine_error(message: str, is_chat: bool) -> tuple[str, str]:
+    """The error code and the body field for a `ValueError` the engine raised when the request
+    was added."""
     lowered = message.lower()
+    if lowered.startswith("cannot compile the"):
+        return INVALID_RESPONSE_FORMAT, "body.response_format"
+    for field in ("logit_bias", "allowed_token_ids"):
+        if lowered.startswith(field):
+            return INVALID_SAMPLING_PARAMS, f"body.{field}"
+    prompt = "body.messages" if is_chat else "body.prompt"
     if "too long" in lowered or "max_model_len" in lowered:
-        return CONTEXT_LENGTH_EXCEEDED
-    return INVALID_PROMPT
+        return CONTEXT_LENGTH_EXCEEDED, prompt
+    return INVALID_PROMPT, prompt
 
 
 def describe(value: Any, limit: int = 60) -> str:

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from conveyor.batch_format.bodies import (
     CHAT_URL,
@@ -26,10 +26,17 @@ from conveyor.batch_format.errors import (
     INVALID_URL,
     MAX_TOKENS_TOO_LARGE,
     MODEL_NOT_FOUND,
+    UNKNOWN_PARAMETER,
+    UNSUPPORTED_PARAMETER,
     BatchRequestError,
     describe,
 )
-from conveyor.batch_format.text import MAX_JSON_DEPTH, check_body_text
+from conveyor.batch_format.fields import (
+    MESSAGE_UNSUPPORTED,
+    refused_field,
+    without_empty_unsupported,
+)
+from conveyor.batch_format.text import MAX_JSON_DEPTH, check_body_text, path_text
 
 
 @dataclass
@@ -53,20 +60,20 @@ class ParsedRequest:
 
 
 def _loc_path(prefix: str, loc: Sequence[Any]) -> str:
-    path = prefix
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        else:
-            path += f".{part}" if path else str(part)
-    return path
+    return path_text((prefix, *loc)) if prefix else path_text(tuple(loc))
 
 
-def _validation_message(err: ValidationError, prefix: str = "body") -> tuple[str, str]:
-    """A one-line message for the first few problems of `err`, and the first offending field."""
+def _validation_message(err: ValidationError, prefix: str = "body") -> tuple[str, str, str]:
+    """A one-line message for the first few problems of `err`, the first offending field and
+    the error code (`unknown_parameter` when a field is not one of the endpoint's)."""
+    errors = err.errors(include_url=False)
+    unknown = [item for item in errors if item.get("type") == "extra_forbidden"]
+    if unknown:
+        path = _loc_path(prefix, unknown[0].get("loc", ()))
+        return f'Unrecognized request argument supplied: "{path}"', path, UNKNOWN_PARAMETER
     parts = []
     first_param = ""
-    for item in err.errors(include_url=False)[:3]:
+    for item in errors[:3]:
         path = _loc_path(prefix, item.get("loc", ()))
         first_param = first_param or path
         kind = item.get("type", "")
@@ -84,7 +91,7 @@ def _validation_message(err: ValidationError, prefix: str = "body") -> tuple[str
     extra = err.error_count() - len(parts)
     if extra > 0:
         parts.append(f"and {extra} more problem{'s' if extra > 1 else ''}")
-    return "; ".join(parts), first_param
+    return "; ".join(parts), first_param, INVALID_REQUEST
 
 
 @dataclass
@@ -236,20 +243,49 @@ def _body(
         path = text.too_deep
         where.fail(f'"{path}" is nested deeper than {MAX_JSON_DEPTH} levels', param=path)
     model_cls = ChatCompletionBody if url == CHAT_URL else CompletionBody
+    if text.surrogate is not None and "field name" in text.surrogate[1]:
+        _fail_surrogate(text.surrogate, where)  # a name that cannot even be quoted back
+    body = without_empty_unsupported(body)
+    _refuse_fields(body, model_cls, where)
     try:
         parsed = model_cls.model_validate(body)
     except ValidationError as err:
-        message, param = _validation_message(err)
-        where.fail(message, param=param)
+        message, param, code = _validation_message(err)
+        where.fail(message, code, param)
     if text.surrogate is not None:
-        path, at = text.surrogate
-        where.fail(
-            f'"{path}" is not valid Unicode: it holds a lone surrogate ({at}); a JSON '
-            "escape \\ud800-\\udbff must be followed by one of \\udc00-\\udfff",
-            INVALID_UNICODE,
-            path,
-        )
+        _fail_surrogate(text.surrogate, where)
     return parsed
+
+
+def _fail_surrogate(surrogate: tuple[str, str], where: _Line) -> NoReturn:
+    path, at = surrogate
+    where.fail(
+        f'"{path}" is not valid Unicode: it holds a lone surrogate ({at}); a JSON '
+        "escape \\ud800-\\udbff must be followed by one of \\udc00-\\udfff",
+        INVALID_UNICODE,
+        path,
+    )
+
+
+def _refuse_fields(body: dict[str, Any], model_cls: type[BaseModel], where: _Line) -> None:
+    """Fail on the first field that is refused, naming it and why (see `fields.py`)."""
+    refused = refused_field(body, model_cls.model_fields)
+    if refused is not None:
+        name, reason, unsupported = refused
+        path = path_text(("body", name))  # a name of any characters, written escaped
+        if unsupported:
+            where.fail(f'"{path}" is not supported: {reason}', UNSUPPORTED_PARAMETER, path)
+        where.fail(f'Unrecognized request argument supplied: "{path}" ({reason})',
+                   UNKNOWN_PARAMETER, path)  # fmt: skip
+    messages = body.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else ()):
+        for name in message if isinstance(message, dict) else ():
+            if name in MESSAGE_UNSUPPORTED and message[name] not in (None, []):
+                where.fail(
+                    f'"body.messages[{i}].{name}" is not supported: {MESSAGE_UNSUPPORTED[name]}',
+                    UNSUPPORTED_PARAMETER,
+                    f"body.messages[{i}].{name}",
+                )
 
 
 def _chat_request(

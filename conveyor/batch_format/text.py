@@ -45,7 +45,7 @@ def check_body_text(body: dict[str, Any], source_text: str | None) -> BodyTextPr
     while stack:
         value, path, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
-            found.too_deep = found.too_deep or _path_text(path)
+            found.too_deep = found.too_deep or path_text(path)
             break
         items = value.items() if isinstance(value, dict) else enumerate(value)
         children = []
@@ -67,10 +67,10 @@ def _surrogate_in(
     match = _LONE_SURROGATE.search(text)
     if match is None:
         return None
-    return _path_text(path), f"\\u{ord(match.group()):04x} at character {match.start()}{suffix}"
+    return path_text(path), f"\\u{ord(match.group()):04x} at character {match.start()}{suffix}"
 
 
-def _path_text(path: tuple[str | int, ...], limit: int = 300) -> str:
+def path_text(path: tuple[str | int, ...], limit: int = 300) -> str:
     """`body.messages[0].content`; a field name that is not plain text is written escaped."""
     text = ""
     for part in path:

@@ -307,8 +307,8 @@ def test_chat_sampling_kwargs() -> None:
         "min_tokens": 2,
         "ignore_eos": True,
         "stop_token_ids": [5, 6],
-        # OpenAI fields this engine does not implement are ignored.
         "presence_penalty": 0.1,
+        # accepted without effect (an end-user id; free text is the default format)
         "user": "someone",
         "response_format": {"type": "text"},
     }
@@ -332,6 +332,7 @@ def test_chat_sampling_kwargs() -> None:
         "min_tokens": 2,
         "ignore_eos": True,
         "stop_token_ids": [5, 6],
+        "presence_penalty": 0.1,
     }
 
 
