@@ -161,6 +161,33 @@ def print_setup(threads: int, extra: str = "") -> None:
     )
 
 
+def write_tokenizer(model_dir: Path, vocab_size: int) -> None:
+    """Save next to the checkpoint a byte-level BPE tokenizer of `vocab_size` tokens, trained
+    on this machine's Python sources (deterministic for a given set of installed packages),
+    for benchmarks that need real token strings (grammars, detokenization)."""
+    import sysconfig
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from conveyor.demo_model import SPECIAL_TOKENS
+
+    sources = sorted(Path(sysconfig.get_paths()["purelib"]).glob("*/*.py"))[:3000]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator((p.read_text(errors="replace") for p in sources), trainer=trainer)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    ).save_pretrained(str(model_dir))
+
+
 @dataclass
 class BenchModel:
     """The checkpoint a run measures, its shape, and transformers' copy of it (unless

@@ -291,7 +291,7 @@ class LLMEngine:
         seqs, rows, logits = self._samples(completing, result.sample_logits)
         token_mask = None
         if masks is not None:
-            bitmask = masks.result()[torch.tensor(rows)]
+            bitmask = self.structured_outputs.wait(masks)[torch.tensor(rows)]
             token_mask = lambda rows_logits: self.structured_outputs.apply(rows_logits, bitmask)  # noqa: E731
         sampled = self.sampler(logits, [self._sample_request(s) for s in seqs], token_mask)
         return self._advance(seqs, sampled.token_ids, sampled.logprobs)
@@ -402,7 +402,17 @@ class LLMEngine:
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
                 banned += list(self.eos_token_ids)
-        return SampleRequest(params, seq.generator, banned, seq.token_ids, seq.num_prompt_tokens)
+        if params.has_penalties and seq.prompt_token_set is None:
+            prompt = torch.tensor(seq.token_ids[: seq.num_prompt_tokens], dtype=torch.long)
+            seq.prompt_token_set = prompt.unique()
+        return SampleRequest(
+            params,
+            seq.generator,
+            banned,
+            seq.token_ids,
+            seq.num_prompt_tokens,
+            seq.prompt_token_set,
+        )
 
     def _append_token(self, seq: Sequence, token: int, top: TokenLogprobs | None) -> None:
         params = seq.request.params

@@ -27,6 +27,13 @@ class SampleRequest:
     banned_token_ids: list[int]  # EOS / stop ids while fewer than min_tokens were generated
     token_ids: Seq[int] = ()  # prompt and generated tokens
     num_prompt_tokens: int = 0
+    prompt_token_set: torch.Tensor | None = None  # the prompt's distinct ids, for repetition
+
+    def distinct_prompt_ids(self) -> torch.Tensor:
+        if self.prompt_token_set is None:
+            prompt = torch.tensor(self.token_ids[: self.num_prompt_tokens], dtype=torch.long)
+            self.prompt_token_set = prompt.unique()
+        return self.prompt_token_set
 
     @property
     def output_token_ids(self) -> Seq[int]:
@@ -103,14 +110,21 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRequest]) -> None:
         values = [getattr(r.params, name) for r in rows]
         return torch.tensor(values, dtype=logits.dtype, device=device)
 
-    outputs = [(i, rows[i].output_token_ids) for i in penalised]
+    output_rows, output_ids = flat_pairs([(i, rows[i].output_token_ids) for i in penalised], device)
     if any(rows[i].params.repetition_penalty != 1.0 for i in penalised):
-        prompts = [(i, rows[i].token_ids[: rows[i].num_prompt_tokens]) for i in penalised]
-        row, token, _ = unique_pairs(*flat_pairs(prompts + outputs, device), vocab)
+        # rows with a penalty of 1 are divided or multiplied by 1.0: left exactly as they are
+        prompts = [rows[i].distinct_prompt_ids().to(device) for i in penalised]
+        prompt_rows = torch.repeat_interleave(
+            torch.tensor(penalised, device=device),
+            torch.tensor([len(p) for p in prompts], device=device),
+        )
+        row, token, _ = unique_pairs(
+            torch.cat([prompt_rows, output_rows]), torch.cat([*prompts, output_ids]), vocab
+        )
         penalty = per_row("repetition_penalty")[row]
         values = logits[row, token]
         logits[row, token] = torch.where(values > 0, values / penalty, values * penalty)
-    row, token, count = unique_pairs(*flat_pairs(outputs, device), vocab)
+    row, token, count = unique_pairs(output_rows, output_ids, vocab)
     if row.numel():
         values = logits[row, token] - per_row("frequency_penalty")[row] * count.to(logits.dtype)
         logits[row, token] = values - per_row("presence_penalty")[row]

@@ -47,6 +47,7 @@ class Sequence:
     text: str = ""  # detokenized output, kept only when stop strings must be checked
     arrival_time: float = 0.0  # when it (last) joined the waiting queue, scheduler clock
     matcher: Any = None  # its structured output's grammar state, if the request has one
+    prompt_token_set: torch.Tensor | None = None  # distinct prompt ids (repetition penalty)
 
     @property
     def num_tokens(self) -> int:

@@ -92,6 +92,9 @@ class StructuredOutputs:
         llguidance.torch.fill_next_token_bitmask_par(self._executor, constrained, bitmask)
         return bitmask.clone()
 
+    def wait(self, masks: Future[torch.Tensor]) -> torch.Tensor:
+        return masks.result()
+
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """Set the logits of the tokens each row's mask leaves out to -inf."""
         bitmask = bitmask.to(logits.device)
