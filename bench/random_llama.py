@@ -167,25 +167,11 @@ def write_tokenizer(model_dir: Path, vocab_size: int) -> None:
     for benchmarks that need real token strings (grammars, detokenization)."""
     import sysconfig
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from conveyor.demo_model import SPECIAL_TOKENS
+    from conveyor.demo_model import build_tokenizer
 
     sources = sorted(Path(sysconfig.get_paths()["purelib"]).glob("*/*.py"))[:3000]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator((p.read_text(errors="replace") for p in sources), trainer=trainer)
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    ).save_pretrained(str(model_dir))
+    texts = (p.read_text(errors="replace") for p in sources)
+    build_tokenizer(vocab_size, texts).save_pretrained(str(model_dir))
 
 
 @dataclass

@@ -6,6 +6,7 @@ well separated: greedy decoding then has no near-ties and is reproducible across
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,9 @@ short poem about the sea. The quick brown fox jumps over the lazy dog. 012345678
 """
 
 
-def build_tokenizer(vocab_size: int = 512) -> Any:
-    """A byte-level BPE tokenizer trained on a small built-in text, with a ChatML template."""
+def build_tokenizer(vocab_size: int = 512, texts: Iterable[str] | None = None) -> Any:
+    """A byte-level BPE tokenizer trained on a small built-in text (or on `texts`), with a
+    ChatML template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -45,7 +47,7 @@ def build_tokenizer(vocab_size: int = 512) -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    tok.train_from_iterator([_CORPUS] * 4 if texts is None else texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
