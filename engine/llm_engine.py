@@ -12,6 +12,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cpu_memory import reuse_large_allocations
+from engine.dtypes import resolve_dtype
 from engine.loader import (
     config_dtype,
     eos_token_ids,
@@ -85,6 +86,8 @@ class LLMEngine:
             max_waiting_time=config.max_waiting_time,
         )
         backend = get_attention_backend(config.attention_backend, self.device)
+        if backend.name == "compiled":  # inductor builds CPU code here: fuse norms and rope
+            net.compile_elementwise()
         self.runner = ModelRunner(
             net, backend, num_kv_blocks, config.block_size, self.device, self.dtype
         )
@@ -105,7 +108,7 @@ class LLMEngine:
         self.model_path = path
         hf_config = load_config(path)
         self.config = hf_config  # the model's; the engine's own is self.engine_config
-        self.dtype = _resolve_dtype(self.engine_config.dtype, hf_config, self.device)
+        self.dtype = resolve_dtype(self.engine_config.dtype, config_dtype(hf_config), self.device)
         self.tokenizer = load_tokenizer(path)
         self.eos_token_ids = eos_token_ids(path, hf_config, self.tokenizer)
         self.vocab_size = hf_config.vocab_size
@@ -497,22 +500,3 @@ def _resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def _resolve_dtype(dtype: str | torch.dtype, config, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        # CPUs have no fast half-precision matmul everywhere: keep float32 there
-        return config_dtype(config) if device.type == "cuda" else torch.float32
-    names = {
-        "float32": torch.float32,
-        "float16": torch.float16,
-        "bfloat16": torch.bfloat16,
-        "fp32": torch.float32,
-        "fp16": torch.float16,
-        "bf16": torch.bfloat16,
-    }
-    if dtype not in names:
-        raise ValueError(f"dtype must be auto or one of {', '.join(names)}, got {dtype!r}")
-    return names[dtype]

@@ -7,7 +7,8 @@ loads inside its loops, so the gathered copy is never made: about 3x faster at b
 contexts of 200-520.
 
 One compile per model shape (KV heads, group size, head size, block size, dtype): about 15 s
-the first time, a few seconds once inductor's disk cache has it. Batch size, table width and
+the first time, a few seconds once inductor's disk cache (`$TORCHINDUCTOR_CACHE_DIR`, by default
+`~/.cache/conveyor/inductor`) has it. Batch size, table width and
 pool size are dynamic, so no later step compiles again. It needs a C++ compiler.
 """
 
@@ -57,6 +58,15 @@ def _decode_core(query, k_cache, v_cache, tables, context_lens, scale: float):
     return out.view(batch, heads, head_dim).to(query.dtype), lse
 
 
+def _persistent_cache() -> None:
+    """Keep inductor's compiled code where a reboot does not wipe it (its default is under
+    /tmp): a later start loads the decode kernel instead of compiling it again."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, "conveyor", "inductor")
+
+
+_persistent_cache()
 _compiled = torch.compile(_decode_core, dynamic=False)
 
 

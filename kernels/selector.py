@@ -1,8 +1,10 @@
-"""Which attention backend runs: `auto` picks Triton on CUDA and the torch path elsewhere; a
-named backend is checked against the device and what is installed."""
+"""Which attention backend runs: `auto` picks the fastest correct one for the device (Triton on
+CUDA, the compiled decode on a CPU with a C++ compiler, else the eager torch path, saying why
+in a log line); a named backend is checked against the device and what is installed."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -12,6 +14,8 @@ from kernels.torch_backend import CompiledPagedAttention, TorchPagedAttention
 from kernels.triton_backend import TritonPagedAttention
 
 BACKENDS = ("auto", "torch", "compiled", "triton")
+
+log = logging.getLogger(__name__)
 
 
 def triton_problem(device: torch.device) -> str | None:
@@ -34,11 +38,24 @@ def triton_available(device: torch.device) -> bool:
     return triton_problem(device) is None
 
 
+def _fastest(device: torch.device) -> str:
+    if device.type == "cuda":
+        return "triton" if triton_available(device) else "torch"
+    if device.type != "cpu":
+        return "torch"
+    from kernels import compiled_paged
+
+    if problem := compiled_paged.compiler_missing():
+        log.warning("attention: the eager torch path, not the compiled one (%s)", problem)
+        return "torch"
+    return "compiled"
+
+
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "auto":
-        name = "triton" if device.type == "cuda" and triton_available(device) else "torch"
+        name = _fastest(device)
     if name == "torch":
         return TorchPagedAttention()
     if name == "compiled":

@@ -6,6 +6,10 @@ import os
 # imports Triton early: set it before any test runs so the Triton kernels' tests run on the
 # interpreter whatever ran before them. CPU code paths never launch Triton kernels.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The services the tests start (workers, `conveyor serve`) compute in float32, where their
+# answers can be compared with transformers' token for token; on a CPU with fast bfloat16 the
+# default would be bfloat16, which has tests of its own (tests/engine/test_bfloat16.py).
+os.environ.setdefault("CONVEYOR_DTYPE", "float32")
 
 from collections.abc import Callable, Iterator  # noqa: E402
 from contextlib import AbstractContextManager, ExitStack  # noqa: E402

@@ -19,6 +19,7 @@ from engine.models.layers import (
     Rope,
     RotaryEmbedding,
     apply_rope,
+    compiled_apply_rope,
 )
 from kernels import AttentionBackend, AttentionMetadata
 
@@ -51,6 +52,7 @@ class Attention(nn.Module):
         )
         o_bias = bool(getattr(config, "attention_bias", False))  # Qwen2 biases q/k/v only
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        self.compiled = False  # rope as one fused loop (see `compile_elementwise`)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -70,7 +72,7 @@ class Attention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(rope, q, k)
+        q, k = (compiled_apply_rope() if self.compiled else apply_rope)(rope, q, k)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
@@ -152,9 +154,15 @@ class DecoderForCausalLM(nn.Module):
             return self.packed_lm_head(hidden)
         return self.lm_head(hidden)
 
+    def compile_elementwise(self) -> None:
+        """Norms and rope as fused loops compiled by inductor (where it builds CPU code)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | Attention):
+                module.compiled = True
+
     def prepack(self) -> None:
         """Once the weights are loaded: the output layer in oneDNN's layout where that is
-        faster (float32 on a CPU)."""
+        faster (float32 and bfloat16 on a CPU)."""
         self.packed_lm_head = PrepackedLinear.for_cpu(self.lm_head.weight)
 
 

@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # normalise in float32, scale in the model's dtype, as the reference implementation does
+    normed = F.rms_norm(x.float(), x.shape[-1:], eps=eps)
+    return weight * normed.to(x.dtype)
+
+
+@functools.cache
+def compiled_rms_norm() -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
+    """`rms_norm` as one fused loop (inductor): on the CPU eager bfloat16 makes four passes
+    and converts twice, 20x slower at 4,096 tokens. One graph for every token count."""
+    return torch.compile(rms_norm, dynamic=True)
 
 
 class RMSNorm(nn.Module):
@@ -12,11 +28,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.compiled = False  # set where inductor builds CPU code (the compiled attention's)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in float32, scale in the model's dtype, as the reference implementation does
-        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        norm = compiled_rms_norm() if self.compiled else rms_norm
+        return norm(x, self.weight, self.eps)
 
 
 class PackedLinear(nn.Linear):
@@ -61,8 +77,9 @@ CPU_PACKED_MAX_OUT = 2048
 class PrepackedLinear:
     """`x @ weight.T` through oneDNN with the weight reordered once into its blocked layout:
     for a wide output layer (the 32,000-way logits) and the few hundred rows of a decode
-    step, 1.1-2x faster on the CPU than MKL's product on the plain weight. A copy of the
-    weight, so only for float32 on a CPU whose torch has the oneDNN ops (see `for_cpu`)."""
+    step, 1.1-2x faster on the CPU than MKL's product on the plain weight in float32, 1.1-1.2x
+    in bfloat16 (the same results). A copy of the weight, so only on a CPU whose torch has the
+    oneDNN ops (see `for_cpu`)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.out_features = weight.shape[0]
@@ -72,7 +89,7 @@ class PrepackedLinear:
     def for_cpu(cls, weight: torch.Tensor) -> PrepackedLinear | None:
         usable = (
             weight.device.type == "cpu"
-            and weight.dtype == torch.float32
+            and weight.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -110,6 +127,13 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 def apply_rope(rope: Rope, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = rope
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+@functools.cache
+def compiled_apply_rope() -> Callable[[Rope, torch.Tensor, torch.Tensor], tuple]:
+    """`apply_rope` as one fused loop per tensor (inductor): eager makes six passes and two
+    concatenations. One graph for every token count."""
+    return torch.compile(apply_rope, dynamic=True)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -60,8 +60,10 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 # endpoints unless the key is (url, field). The engine tests show what each setting does.
 HONOURED: dict[Any, tuple[dict[str, Any], Callable[[ParsedRequest], bool]]] = {
     "model": ({"model": "other"}, lambda r: r.model == "other"),
-    "messages": ({"messages": [{"role": "system", "content": "s", "name": "n"}]},
-                 lambda r: r.messages == [{"role": "system", "content": "s", "name": "n"}]),
+    "messages": (
+        {"messages": [{"role": "system", "content": "s", "name": "n"}]},
+        lambda r: r.messages == [{"role": "system", "content": "s", "name": "n"}],
+    ),
     "prompt": ({"prompt": [5, 6]}, lambda r: r.prompt == [5, 6]),
     "temperature": ({"temperature": 0.3}, sampling(temperature=0.3)),
     "top_p": ({"top_p": 0.5}, sampling(top_p=0.5)),
@@ -79,8 +81,12 @@ HONOURED: dict[Any, tuple[dict[str, Any], Callable[[ParsedRequest], bool]]] = {
     "frequency_penalty": ({"frequency_penalty": 1.5}, sampling(frequency_penalty=1.5)),
     "logit_bias": ({"logit_bias": {"17": -100}}, sampling(logit_bias={"17": -100.0})),
     "response_format": (
-        {"response_format": {"type": "json_schema",
-                             "json_schema": {"name": "s", "schema": SCHEMA, "strict": True}}},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": SCHEMA, "strict": True},
+            }
+        },
         sampling(structured_outputs={"json": SCHEMA}),
     ),  # fmt: skip
     "modalities": ({"modalities": ["text"]}, sampling(n=1)),  # text is all a model answers in
@@ -93,13 +99,17 @@ HONOURED: dict[Any, tuple[dict[str, Any], Callable[[ParsedRequest], bool]]] = {
     "skip_special_tokens": ({"skip_special_tokens": False}, sampling(skip_special_tokens=False)),
     "repetition_penalty": ({"repetition_penalty": 1.3}, sampling(repetition_penalty=1.3)),
     "allowed_token_ids": ({"allowed_token_ids": [3, 4]}, sampling(allowed_token_ids=[3, 4])),
-    "structured_outputs": ({"structured_outputs": {"choice": ["a", "b"]}},
-                           sampling(structured_outputs={"choice": ["a", "b"]})),
+    "structured_outputs": (
+        {"structured_outputs": {"choice": ["a", "b"]}},
+        sampling(structured_outputs={"choice": ["a", "b"]}),
+    ),
     "guided_json": ({"guided_json": SCHEMA}, sampling(structured_outputs={"json": SCHEMA})),
     "guided_regex": ({"guided_regex": "a+"}, sampling(structured_outputs={"regex": "a+"})),
     "guided_choice": ({"guided_choice": ["x"]}, sampling(structured_outputs={"choice": ["x"]})),
-    "guided_grammar": ({"guided_grammar": 'root ::= "a"'},
-                       sampling(structured_outputs={"grammar": 'root ::= "a"'})),
+    "guided_grammar": (
+        {"guided_grammar": 'root ::= "a"'},
+        sampling(structured_outputs={"grammar": 'root ::= "a"'}),
+    ),
 }
 # honoured by online requests; a batch line refuses `stream` and has nothing to stream
 ONLINE_ONLY = {

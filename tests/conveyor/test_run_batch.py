@@ -25,8 +25,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 # Small engine settings: a short context and a small KV cache keep the tests fast on CPU.
 MAX_MODEL_LEN = 256
-ENGINE_ARGS = ["--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "64"]
-ENGINE_KWARGS = dict(device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)
+ENGINE_ARGS = [
+    "--device",
+    "cpu",
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--num-kv-blocks",
+    "64",
+]
+ENGINE_KWARGS = dict(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)
 
 PROMPTS = [
     "The quick brown fox",

@@ -30,7 +30,7 @@ def test_each_system_prompt_is_computed_once(checkpoints):
     path = str(checkpoints["llama"])
     prompts = shared_prefix_workload(512, 8)
     total = sum(map(len, prompts))
-    llm = LLM(path, device="cpu", num_kv_blocks=4096, max_num_batched_tokens=4096)
+    llm = LLM(path, dtype="float32", device="cpu", num_kv_blocks=4096, max_num_batched_tokens=4096)
     outputs = run(llm, prompts)
     stats = llm.stats()
     # every request but the first of each system prompt found all 25 of its blocks cached
@@ -41,6 +41,7 @@ def test_each_system_prompt_is_computed_once(checkpoints):
 
     uncached = LLM(
         path,
+        dtype="float32",
         device="cpu",
         num_kv_blocks=4096,
         max_num_batched_tokens=4096,
@@ -52,7 +53,12 @@ def test_each_system_prompt_is_computed_once(checkpoints):
     # arrival order alone computes a system prompt several times when its requests come
     # together: what the deferral saves
     fcfs = LLM(
-        path, device="cpu", num_kv_blocks=4096, max_num_batched_tokens=4096, admission_policy="fcfs"
+        path,
+        dtype="float32",
+        device="cpu",
+        num_kv_blocks=4096,
+        max_num_batched_tokens=4096,
+        admission_policy="fcfs",
     )
     assert run(fcfs, prompts) == outputs
     assert fcfs.stats().prompt_tokens_cached < (512 - 8) * SYSTEM_LEN
@@ -96,7 +102,7 @@ def test_a_request_without_shared_prefix_is_not_starved(checkpoints):
     lone = [rng.randrange(3, 500) for _ in range(70)]
 
     def engine() -> LLM:
-        return LLM(path, device="cpu", max_num_seqs=8, num_kv_blocks=512)
+        return LLM(path, dtype="float32", device="cpu", max_num_seqs=8, num_kv_blocks=512)
 
     # within its maximum wait (10 steps), plus the step that runs it
     assert steps_until_done(engine(), lone, crowd, max_wait=10.0) <= 12

@@ -54,7 +54,7 @@ def test_greedy_matches_transformers(checkpoints, arch, config):
 def test_mixed_prompts_in_one_batch_do_not_disturb_each_other(checkpoints):
     """Requests that arrive while others decode give the same tokens as when run alone."""
     path = checkpoints["llama"]
-    llm = LLM(str(path), device="cpu", max_num_batched_tokens=128)
+    llm = LLM(str(path), dtype="float32", device="cpu", max_num_batched_tokens=128)
     params = SamplingParams(temperature=0, max_tokens=12)
     llm.add_request("a", PROMPTS[2], params)
     for _ in range(4):

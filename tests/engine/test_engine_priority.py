@@ -45,7 +45,7 @@ def test_an_urgent_request_preempts_batch_work_and_outputs_stay_exact(checkpoint
 
 
 def test_urgent_requests_are_admitted_before_waiting_batch_work(checkpoints):
-    llm = LLM(str(checkpoints["qwen2"]), device="cpu", max_num_seqs=1)
+    llm = LLM(str(checkpoints["qwen2"]), dtype="float32", device="cpu", max_num_seqs=1)
     prompts = random_prompts(3, 8, 12, seed=22)
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     llm.add_request("batch-0", prompts[0], params, priority=BATCH)

@@ -40,7 +40,11 @@ def test_prepacked_output_layer_matches_the_plain_product():
     for shape in [(1, 64), (37, 64), (3, 5, 64)]:
         x = torch.randn(shape)
         torch.testing.assert_close(packed(x), x @ weight.T, rtol=1e-4, atol=1e-4)
-    assert PrepackedLinear.for_cpu(weight.bfloat16()) is None  # keeps the plain product
+    bf16 = PrepackedLinear.for_cpu(weight.bfloat16())
+    assert bf16 is not None
+    x = torch.randn(37, 64).bfloat16()
+    torch.testing.assert_close(bf16(x), x @ weight.bfloat16().T)
+    assert PrepackedLinear.for_cpu(weight.half()) is None  # keeps the plain product
 
 
 def test_loaded_model_prepacks_its_output_layer(checkpoints):

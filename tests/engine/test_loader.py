@@ -23,7 +23,7 @@ def test_missing_weight_is_named(checkpoints, tmp_path):
     del weights["model.layers.1.self_attn.k_proj.weight"]
     save_file(weights, path / "model.safetensors")
     with pytest.raises(ValueError, match="lacks weights: model.layers.1.self_attn.k_proj.weight"):
-        LLM(str(path), device="cpu")
+        LLM(str(path), dtype="float32", device="cpu")
 
 
 def test_wrong_shape_is_named(checkpoints, tmp_path):
@@ -32,7 +32,7 @@ def test_wrong_shape_is_named(checkpoints, tmp_path):
     weights["model.layers.0.mlp.up_proj.weight"] = torch.zeros(3, 3)
     save_file(weights, path / "model.safetensors")
     with pytest.raises(ValueError, match="'model.layers.0.mlp.up_proj.weight' has shape"):
-        LLM(str(path), device="cpu")
+        LLM(str(path), dtype="float32", device="cpu")
 
 
 def test_unsupported_architecture(checkpoints, tmp_path):
@@ -41,13 +41,13 @@ def test_unsupported_architecture(checkpoints, tmp_path):
     config["architectures"] = ["GPT2LMHeadModel"]
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
-        LLM(str(path), device="cpu")
+        LLM(str(path), dtype="float32", device="cpu")
 
 
 def test_unknown_model_name_fails_clearly(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="neither a local directory nor a reachable hub"):
-        LLM(str(tmp_path / "no-such-model"), device="cpu")
+        LLM(str(tmp_path / "no-such-model"), dtype="float32", device="cpu")
 
 
 def test_rope_scaling_from_the_config_is_applied(tmp_path):
@@ -66,7 +66,7 @@ def test_rope_scaling_from_the_config_is_applied(tmp_path):
     }
     path = write_tiny_model(tmp_path / "m", "llama", rope_parameters=rope)
     prompt = list(range(3, 200))
-    out = LLM(str(path), device="cpu").generate(
+    out = LLM(str(path), dtype="float32", device="cpu").generate(
         [prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
     )[0]
     assert out.outputs[0].token_ids == hf_greedy(path, prompt, 8)

@@ -14,7 +14,9 @@ from tests.hf_reference import ARCHS, hf_logprobs, random_prompts
 def test_logprobs_match_transformers(checkpoints, arch):
     path = checkpoints[arch]
     prompts = random_prompts(4, 5, 90, seed=11)
-    llm = LLM(str(path), device="cpu", max_num_batched_tokens=32)  # prompt logprobs over chunks
+    llm = LLM(
+        str(path), dtype="float32", device="cpu", max_num_batched_tokens=32
+    )  # prompt logprobs over chunks
     params = SamplingParams(temperature=0, max_tokens=5, logprobs=3, prompt_logprobs=2)
     for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
         completion = out.outputs[0]
@@ -46,7 +48,7 @@ def test_prompt_logprobs_compute_blocks_that_kept_none(checkpoints):
     """Blocks cached by a request that asked for no prompt logprobs kept none, so a request
     asking for them computes its whole prompt."""
     path = checkpoints["llama"]
-    llm = LLM(str(path), device="cpu")
+    llm = LLM(str(path), dtype="float32", device="cpu")
     prompt = list(range(10, 80))
     llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)

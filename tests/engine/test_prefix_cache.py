@@ -17,7 +17,7 @@ def test_shared_system_prompt_is_computed_once(checkpoints):
         for n in torch.randint(1, 40, (64,), generator=g)
     ]
     params = SamplingParams(temperature=0, max_tokens=6)
-    llm = LLM(str(path), device="cpu", block_size=16)
+    llm = LLM(str(path), dtype="float32", device="cpu", block_size=16)
 
     first = llm.generate([system + [5, 6, 7]], params, use_tqdm=False)[0]
     assert first.num_cached_tokens == 0
@@ -40,7 +40,7 @@ def test_shared_system_prompt_is_computed_once(checkpoints):
 def test_cache_hit_leaves_one_token_to_compute(checkpoints):
     """A prompt that is entirely cached still computes its last block to get logits."""
     path = checkpoints["llama"]
-    llm = LLM(str(path), device="cpu", block_size=16)
+    llm = LLM(str(path), dtype="float32", device="cpu", block_size=16)
     prompt = list(range(3, 3 + 64))  # exactly four blocks
     params = SamplingParams(temperature=0, max_tokens=4)
     a = llm.generate([prompt], params, use_tqdm=False)[0]
@@ -52,7 +52,9 @@ def test_cache_hit_leaves_one_token_to_compute(checkpoints):
 def test_evicted_blocks_are_recomputed_correctly(checkpoints):
     """With a pool too small to keep old prefixes, LRU eviction reuses blocks safely."""
     path = checkpoints["llama"]
-    llm = LLM(str(path), device="cpu", block_size=8, num_kv_blocks=20, max_model_len=160)
+    llm = LLM(
+        str(path), dtype="float32", device="cpu", block_size=8, num_kv_blocks=20, max_model_len=160
+    )
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 512, (100,), generator=g).tolist() for _ in range(6)]
     params = SamplingParams(temperature=0, max_tokens=5)

@@ -14,7 +14,7 @@ PROMPTS = random_prompts(40, 4, 120, seed=5)
 
 @pytest.fixture(scope="module")
 def llm(checkpoints):
-    return LLM(str(checkpoints["llama"]), device="cpu", seed=123)
+    return LLM(str(checkpoints["llama"]), dtype="float32", device="cpu", seed=123)
 
 
 def test_seeded_sampling_ignores_batch_composition(llm):
@@ -116,7 +116,7 @@ def test_stop_strings_truncate_text(llm):
 
 
 def test_max_model_len_and_bad_prompts_are_rejected(checkpoints):
-    llm = LLM(str(checkpoints["llama"]), device="cpu", max_model_len=64)
+    llm = LLM(str(checkpoints["llama"]), dtype="float32", device="cpu", max_model_len=64)
     with pytest.raises(ValueError, match="prompt has 64 tokens, but max_model_len is 64"):
         llm.add_request("long", list(range(3, 67)), SamplingParams())
     with pytest.raises(ValueError, match="empty"):
@@ -133,7 +133,13 @@ def test_max_model_len_and_bad_prompts_are_rejected(checkpoints):
 
 def test_pool_smaller_than_max_model_len_is_refused(checkpoints):
     with pytest.raises(ValueError, match="fewer than max_model_len"):
-        LLM(str(checkpoints["llama"]), device="cpu", num_kv_blocks=4, max_model_len=128)
+        LLM(
+            str(checkpoints["llama"]),
+            dtype="float32",
+            device="cpu",
+            num_kv_blocks=4,
+            max_model_len=128,
+        )
 
 
 @pytest.mark.parametrize(

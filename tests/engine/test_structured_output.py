@@ -95,7 +95,7 @@ def test_generated_json_schemas_always_validate(llm, schemas, seed):
 
 
 def test_json_object_regex_choice_and_grammar(llm):
-    choices = ['yes', 'no "quoted"', "back\\slash", "naïve"]
+    choices = ["yes", 'no "quoted"', "back\\slash", "naïve"]
     cases = [
         (StructuredOutputsParams(regex=r"[a-z]{3}-\d{2}"),
          lambda t: re.fullmatch(r"[a-z]{3}-\d{2}", t) is not None),

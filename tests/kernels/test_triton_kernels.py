@@ -198,7 +198,16 @@ def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         get_attention_backend("triton", torch.device("cpu"))
-    assert get_attention_backend("auto", torch.device("cpu")).name == "torch"
+    assert get_attention_backend("auto", torch.device("cpu")).name == "compiled"
+
+
+def test_auto_falls_back_to_eager_attention_without_a_compiler(monkeypatch, caplog):
+    from kernels import compiled_paged, get_attention_backend
+
+    monkeypatch.setattr(compiled_paged, "compiler_missing", lambda: "no C++ compiler (g++)")
+    with caplog.at_level("WARNING"):
+        assert get_attention_backend("auto", torch.device("cpu")).name == "torch"
+    assert "no C++ compiler" in caplog.text
 
 
 def test_kernel_benchmark_runs_or_says_there_is_no_gpu():

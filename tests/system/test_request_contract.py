@@ -83,9 +83,10 @@ def test_the_request_contract_online_and_in_a_batch(chat_model: Path, tmp_path: 
         assert online[4]["choices"][0]["message"]["content"] in ("red", "green")
 
         assert errors["5"]["code"] == "invalid_response_format"
-        assert errors["6"]["code"] == "unknown_parameter" and "body.max_token" in errors["6"][
-            "message"
-        ]
+        assert (
+            errors["6"]["code"] == "unknown_parameter"
+            and "body.max_token" in errors["6"]["message"]
+        )
         assert errors["7"]["code"] == "unsupported_parameter"
 
         with pytest.raises(openai.BadRequestError) as unknown:
@@ -95,7 +96,8 @@ def test_the_request_contract_online_and_in_a_batch(chat_model: Path, tmp_path: 
                                                                      "max_token")  # fmt: skip
         with pytest.raises(openai.BadRequestError) as tools:
             api.chat.completions.create(
-                model=MODEL, messages=MESSAGES,
+                model=MODEL,
+                messages=MESSAGES,
                 tools=[{"type": "function", "function": {"name": "f"}}],
             )
         assert (tools.value.code, tools.value.body["param"]) == ("unsupported_parameter", "tools")

@@ -1,0 +1,48 @@
+"""Which dtype the engine computes in: `auto` is the checkpoint's dtype on CUDA, bfloat16 on a
+CPU whose bfloat16 matrix products are fast (AMX or AVX512-BF16 instructions: several times
+float32's rate), and float32 on any other CPU."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+NAMES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+
+
+@functools.cache
+def cpu_has_fast_bfloat16() -> bool:
+    """True where the CPU multiplies bfloat16 matrices in hardware (AMX or AVX512-BF16)."""
+    cpu = torch.cpu
+    for check in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        probe = getattr(cpu, check, None)
+        if probe is not None and probe():
+            return True
+    try:  # older torch: the kernel's own word
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(
+    dtype: str | torch.dtype, checkpoint_dtype: torch.dtype, device: torch.device
+) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return checkpoint_dtype
+        return torch.bfloat16 if cpu_has_fast_bfloat16() else torch.float32
+    if dtype not in NAMES:
+        raise ValueError(f"dtype must be auto or one of {', '.join(NAMES)}, got {dtype!r}")
+    return NAMES[dtype]

@@ -1,0 +1,74 @@
+"""bfloat16, the default on CPUs with fast bfloat16 products: `dtype="auto"` resolves by the
+CPU's capabilities, the engine's logprobs stay within a stated tolerance of transformers' in
+bfloat16, and greedy decoding agrees with transformers' bfloat16 greedy decoding at the rate
+printed (and bounded below) here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams, dtypes
+from tests.hf_reference import ARCHS, random_prompts
+
+# bfloat16 keeps 8 bits of mantissa (a logit of ~10 is known to ~0.04), and the engine sums in
+# another order than transformers (paged attention, fused projections), so logprobs differ by
+# a few of those steps
+LOGPROB_TOLERANCE = 0.05
+MIN_GREEDY_AGREEMENT = 0.9  # share of generated tokens equal to transformers' (per position)
+
+
+@pytest.fixture(scope="module")
+def hf_bf16():
+    from transformers import AutoModelForCausalLM
+
+    models = {}
+
+    def load(path):
+        if path not in models:
+            models[path] = AutoModelForCausalLM.from_pretrained(
+                str(path), dtype=torch.bfloat16
+            ).eval()
+        return models[path]
+
+    return load
+
+
+def test_auto_is_bfloat16_exactly_where_the_cpu_has_fast_bfloat16(monkeypatch):
+    cpu = torch.device("cpu")
+    for fast, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(dtypes, "cpu_has_fast_bfloat16", lambda fast=fast: fast)
+        assert dtypes.resolve_dtype("auto", torch.float32, cpu) == want
+    cuda = torch.device("cuda")
+    assert dtypes.resolve_dtype("auto", torch.float16, cuda) == torch.float16
+    assert dtypes.resolve_dtype("bf16", torch.float32, cpu) == torch.bfloat16
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bfloat16_logprobs_and_greedy_agree_with_transformers(checkpoints, hf_bf16, arch):
+    path = checkpoints[arch]
+    llm = LLM(str(path), device="cpu", dtype="bfloat16")
+    assert llm.dtype == torch.bfloat16
+    prompts = random_prompts(8, 8, 80, seed=11)
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=0, prompt_logprobs=0)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    model = hf_bf16(path)
+    worst, agree, total = 0.0, 0, 0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        tokens = out.outputs[0].token_ids
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+        reference = torch.log_softmax(logits, dim=-1)
+        # the prompt's logprobs and the generated tokens' (each given the engine's prefix)
+        for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            worst = max(worst, abs(entry[prompt[i]] - float(reference[i - 1, prompt[i]])))
+        for j, (token, entry) in enumerate(zip(tokens, out.outputs[0].logprobs, strict=True)):
+            row = reference[len(prompt) - 1 + j]
+            worst = max(worst, abs(entry[token] - float(row[token])))
+            agree += int(row.argmax()) == token
+            total += 1
+    rate = agree / total
+    print(f"{arch}: bfloat16 greedy agreement {rate:.1%} of {total} tokens, "
+          f"largest logprob difference {worst:.3f}")  # fmt: skip
+    assert worst < LOGPROB_TOLERANCE
+    assert rate >= MIN_GREEDY_AGREEMENT
