@@ -73,15 +73,22 @@ def make_workload(
 # matmul ceiling
 
 
-def time_linear(m: int, k: int, n: int, min_time: float = 0.3, min_calls: int = 30) -> float:
-    """Seconds per F.linear of x[m, k] by W[n, k] (what nn.Linear runs), fp32.
+def time_linear(
+    m: int,
+    k: int,
+    n: int,
+    min_time: float = 0.3,
+    min_calls: int = 30,
+    dtype: torch.dtype = torch.float32,
+) -> float:
+    """Seconds per F.linear of x[m, k] by W[n, k] (what nn.Linear runs), in `dtype`.
 
     Each call is timed on its own and the 20th percentile is kept: a ceiling should be
     optimistic, and on a shared machine a call that waited for a descheduled thread says
     nothing about the hardware.
     """
-    x = torch.randn(m, k)
-    w = torch.randn(n, k)
+    x = torch.randn(m, k, dtype=dtype)
+    w = torch.randn(n, k, dtype=dtype)
     for _ in range(3):
         F.linear(x, w)
     times: list[float] = []
