@@ -215,6 +215,15 @@ class LLMEngine:
         self.requests[request_id] = request
         self.scheduler.add(seq)
 
+    def warm_up(self) -> None:
+        """Compile what compiles (on a CPU: the decode attention, norms and rope) before the
+        first request: a throwaway request's prefill and a few decode steps."""
+        request_id = "__warm_up__"
+        prompt = [t % self.vocab_size for t in range(3, 11)]
+        self.add_request(request_id, prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+        while request_id in self.requests:
+            self.step()
+
     def _check_token_ids(self, params: SamplingParams) -> None:
         for name, ids in (
             ("logit_bias", params.logit_bias or ()),

@@ -27,7 +27,9 @@ def build_engine(model: str, config: EngineConfig) -> Any:
     if model == ECHO_MODEL:
         step = float(os.environ.get("CONVEYOR_ECHO_STEP_SECONDS") or 0)
         return EchoEngine(step, config.max_num_seqs)
-    return LLM(model, config)
+    llm = LLM(model, config)
+    llm.warm_up()  # compile now, not in the first request (an online one may have a deadline)
+    return llm
 
 
 def pick_device(settings: Settings, config: EngineConfig) -> EngineConfig:

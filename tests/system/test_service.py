@@ -47,6 +47,8 @@ def run_batch_offline(model: Path, path: Path, tmp: Path) -> dict[str, dict]:
             "--served-model-name",
             "tiny",
             "--no-progress",
+            "--dtype",
+            "float32",  # as the service's workers in the tests (tests/conftest.py)
         ],
         check=True,
         capture_output=True,
