@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -219,10 +220,16 @@ class LLMEngine:
         """Compile what compiles (on a CPU: the decode attention, norms and rope) before the
         first request: a throwaway request's prefill and a few decode steps."""
         request_id = "__warm_up__"
-        prompt = [t % self.vocab_size for t in range(3, 11)]
+        counters = dataclasses.replace(self.scheduler.counters)
+        generated, steps = self.generation_tokens, self.num_steps
+        length = max(1, min(8, self.engine_config.block_size - 1))  # no full block: none cached
+        prompt = [(3 + t) % self.vocab_size for t in range(length)]
         self.add_request(request_id, prompt, SamplingParams(max_tokens=3, ignore_eos=True))
         while request_id in self.requests:
             self.step()
+        # it was nobody's work: the engine's counters (and so its metrics) leave it out
+        self.scheduler.counters = counters
+        self.generation_tokens, self.num_steps = generated, steps
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         for name, ids in (

@@ -62,3 +62,11 @@ def test_evicted_blocks_are_recomputed_correctly(checkpoints):
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, 5)
     assert llm.stats().kv_blocks_used == 0
+
+
+def test_a_warm_up_leaves_no_trace(checkpoints):
+    llm = LLM(str(checkpoints["llama"]), dtype="float32", device="cpu", block_size=16)
+    fresh = llm.stats()
+    llm.warm_up()
+    assert llm.stats() == fresh
+    assert not llm.has_unfinished() and len(llm.block_manager.cached) == 0
