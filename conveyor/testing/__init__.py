@@ -24,7 +24,7 @@ from conveyor.testing.batches import (
     write_jsonl,
 )
 from conveyor.testing.servers import LocalPostgres, LocalRedis, ServerMissing, free_port
-from conveyor.testing.stack import Stack, service_env, stack_env
+from conveyor.testing.stack import Stack, embedded_serve, service_env, stack_env
 
 __all__ = [
     "ApiKey",
@@ -35,6 +35,7 @@ __all__ = [
     "batch_lines",
     "create_key",
     "download",
+    "embedded_serve",
     "free_port",
     "run_keys",
     "service_env",

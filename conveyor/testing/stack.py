@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,3 +153,36 @@ class Stack:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(5)
+
+
+@contextlib.contextmanager
+def embedded_serve(
+    root: Path, model: Path, served_name: str, *extra: str, timeout: float = 180
+) -> Iterator[str]:
+    """`conveyor serve` with the API and its worker in one process (no PostgreSQL, no Redis),
+    serving `model` as `served_name`; yields its URL once the worker is ready."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env |= {"CONVEYOR_DATA_DIR": str(root / "data"), "PYTHONUNBUFFERED": "1"}
+    port = free_port()
+    args = ["serve", "--port", str(port), "--model", str(model),
+            "--served-model-name", served_name, *extra]  # fmt: skip
+    log_path = root / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            conveyor_argv(args), env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.time() + timeout
+        while "ready." not in log_path.read_text(errors="replace"):  # the worker consumes
+            assert proc.poll() is None, log_path.read_text(errors="replace")
+            assert time.time() < deadline, log_path.read_text(errors="replace")
+            time.sleep(0.3)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)

@@ -19,8 +19,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +27,7 @@ import pytest
 
 from conveyor.cli.client import lm_eval_argv
 from conveyor.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
-from conveyor.testing import Stack, free_port
+from conveyor.testing import Stack, embedded_serve
 
 TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
 TASKS = "conveyor_mc,conveyor_gen,conveyor_rolling"
@@ -257,49 +255,10 @@ def test_a_request_without_a_result_fails_the_evaluation_naming_it(
     assert not list((tmp_path / "out").glob("*/results_*.json"))
 
 
-@contextmanager
-def embedded_serve(model: Path, name: str, root: Path) -> Iterator[str]:
-    """`conveyor serve` in embedded mode (no DATABASE_URL/REDIS_URL) serving `model` as
-    `name`; yields its URL once the model is served."""
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    env.update(CONVEYOR_DATA_DIR=str(root / "data"), PYTHONUNBUFFERED="1")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = root / "serve.log"
-    argv = ["-m", "conveyor", "serve", "--port", str(port), "--model", str(model),
-            "--served-model-name", name]  # fmt: skip
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, *argv], env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-    try:
-        deadline = time.time() + 180
-        while True:
-            assert proc.poll() is None, log_path.read_text(errors="replace")
-            try:
-                served = httpx.get(f"{url}/v1/models", timeout=1).json()["data"]
-                if [m["id"] for m in served] == [name]:
-                    break
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            assert time.time() < deadline, "serve did not start:\n" + log_path.read_text()
-            time.sleep(0.3)
-        yield url
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-
-
 def test_local_completions_against_conveyor_serve_matches_lm_eval_hf(
     chat_model: Path, hf_run: EvalRun, tmp_path: Path
 ) -> None:
-    with embedded_serve(chat_model, "tiny", tmp_path) as url:
+    with embedded_serve(tmp_path, chat_model, "tiny") as url:
         model_args = (
             f"model=tiny,base_url={url}/v1/completions,tokenized_requests=True,"
             f"tokenizer={chat_model},tokenizer_backend=huggingface,max_retries=1"

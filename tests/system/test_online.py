@@ -7,8 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,11 +20,11 @@ from conveyor.testing import (
     batch_lines,
     create_key,
     download,
-    free_port,
     submit_batch,
     wait_for,
     write_jsonl,
 )
+from conveyor.testing import embedded_serve as serve
 
 MODEL = "tiny"
 GREEDY = {"temperature": 0, "max_tokens": 6}
@@ -34,35 +32,8 @@ GREEDY = {"temperature": 0, "max_tokens": 6}
 
 @contextlib.contextmanager
 def embedded_serve(tmp_path: Path, model: Path, *extra: str) -> Iterator[str]:
-    """`conveyor serve` with the API and its worker in one process (no PostgreSQL, no Redis)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    env |= {"CONVEYOR_DATA_DIR": str(tmp_path / "data"), "PYTHONUNBUFFERED": "1"}
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    args = ["serve", "--port", str(port), "--model", str(model), "--served-model-name", MODEL]
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "conveyor", *args, *extra],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        deadline = time.time() + 180
-        while "ready." not in log_path.read_text(errors="replace"):  # the worker consumes
-            assert proc.poll() is None, log_path.read_text(errors="replace")
-            assert time.time() < deadline, log_path.read_text(errors="replace")
-            time.sleep(0.3)
+    with serve(tmp_path, model, MODEL, *extra) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 def client(url: str, key: str = "unused") -> openai.OpenAI:
