@@ -1,5 +1,6 @@
 """Paged attention backends. `torch` is the reference (CPU path, test oracle); `compiled` is
-the same on the CPU with its decode compiled by torch.compile; `triton` is CUDA."""
+the same on the CPU with a compiled decode (our AVX512-BF16 kernel in bfloat16 where the CPU
+has it, else torch.compile's); `triton` is CUDA."""
 
 from kernels.backend import AttentionBackend
 from kernels.metadata import AttentionMetadata

@@ -21,6 +21,8 @@ import shutil
 import torch
 import torch._dynamo
 
+from kernels.cache_dir import cache_dir
+
 log = logging.getLogger(__name__)
 
 # P@V is summed in column chunks of this width: inductor then keeps one accumulator per chunk
@@ -62,8 +64,7 @@ def _persistent_cache() -> None:
     """Keep inductor's compiled code where a reboot does not wipe it (its default is under
     /tmp): a later start loads the decode kernel instead of compiling it again."""
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, "conveyor", "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir("inductor"))
 
 
 _persistent_cache()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cascade, torch_paged
+from kernels import cascade, native_paged, torch_paged
 
 
 class TorchPagedAttention:
@@ -63,7 +63,9 @@ class TorchPagedAttention:
 
 
 class CompiledPagedAttention(TorchPagedAttention):
-    """The torch path with its decode attention compiled (CPU): no gathered K/V copies."""
+    """The torch path with its decode attention compiled (CPU): no gathered K/V copies. In
+    bfloat16 on a CPU with AVX512-BF16 the decode is `native_paged`'s kernel, elsewhere the
+    one inductor compiles (`compiled_paged`)."""
 
     name = "compiled"
 
@@ -72,4 +74,11 @@ class CompiledPagedAttention(TorchPagedAttention):
 
         if problem := compiled_paged.compiler_missing():
             raise ValueError(f"attention_backend='compiled' needs inductor's C++ build: {problem}")
-        self.decode_attention = compiled_paged.decode_attention
+        self.inductor_decode = compiled_paged.decode_attention
+
+    def decode_attention(
+        self, query, k_cache, v_cache, block_tables, context_lens, scale, return_lse=False
+    ):
+        covered = native_paged.covers(query, k_cache)
+        kernel = native_paged.decode_attention if covered else self.inductor_decode
+        return kernel(query, k_cache, v_cache, block_tables, context_lens, scale, return_lse)

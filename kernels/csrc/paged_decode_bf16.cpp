@@ -1,0 +1,145 @@
+// Paged decode attention for bfloat16 on x86 CPUs with AVX512-BF16: one query token per
+// sequence against its K/V blocks, read in place through the block table.
+//
+// Work is split over (sequence, KV head) pairs, and the query heads that share a KV head are
+// computed together, so each K/V row is read once per step. Q.K uses the bfloat16 dot-product
+// instruction (exact products, float32 sums); the softmax is online, per block, in float32;
+// P.V accumulates in float32. Output is rounded to bfloat16 once, at the end.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace {
+
+constexpr int64_t kBlock = 16;  // tokens per KV block
+constexpr int64_t kMaxGroup = 16;  // query heads per KV head
+
+// e^x for 16 floats: 2^n * 2^f with f in [-0.5, 0.5], 2^f by its Taylor series to degree 7
+// (relative error ~1e-7, as expf); very negative x (and -inf) gives 0.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5252733804059841e-05f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381610e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> float32
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+template <int64_t D>
+void decode(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_cache,
+            const int32_t* tables, const int32_t* context_lens, uint16_t* out, float* lse,
+            int64_t batch, int64_t heads, int64_t kv_heads, int64_t table_width, float scale) {
+  constexpr int64_t C = D / 32, V = D / 16;  // 32 bf16 per dot-product chunk, 16 floats per row chunk
+  const int64_t group = heads / kv_heads;
+  const int64_t block_stride = kv_heads * kBlock * D;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t task = 0; task < batch * kv_heads; ++task) {
+    const int64_t b = task / kv_heads, kvh = task % kv_heads;
+    const int64_t context = context_lens[b];
+    __m512bh q[kMaxGroup][C];
+    __m512 acc[kMaxGroup][V];
+    float top[kMaxGroup], total[kMaxGroup];
+    alignas(64) float probs[kMaxGroup][kBlock];
+    for (int64_t g = 0; g < group; ++g) {
+      const uint16_t* qh = query + (b * heads + kvh * group + g) * D;
+      for (int64_t c = 0; c < C; ++c) q[g][c] = (__m512bh)_mm512_loadu_si512(qh + c * 32);
+      for (int64_t c = 0; c < V; ++c) acc[g][c] = _mm512_setzero_ps();
+      top[g] = -std::numeric_limits<float>::infinity();
+      total[g] = 0.f;
+    }
+    const int64_t blocks = (context + kBlock - 1) / kBlock;
+    for (int64_t i = 0; i < blocks; ++i) {
+      const int64_t n = (i + 1 < blocks) ? kBlock : context - i * kBlock;
+      const int64_t base = tables[b * table_width + i] * block_stride + kvh * kBlock * D;
+      const uint16_t* k = k_cache + base;
+      const uint16_t* v = v_cache + base;
+      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+      for (int64_t g = 0; g < group; ++g) {
+        alignas(64) float s[kBlock] = {};
+        for (int64_t j = 0; j < n; ++j) {
+          __m512 a = _mm512_setzero_ps();
+          for (int64_t c = 0; c < C; ++c)
+            a = _mm512_dpbf16_ps(a, q[g][c], (__m512bh)_mm512_loadu_si512(k + j * D + c * 32));
+          s[j] = _mm512_reduce_add_ps(a);
+        }
+        const __m512 scores = _mm512_mask_mul_ps(ninf, valid, _mm512_load_ps(s), vscale);
+        const float m = std::max(top[g], _mm512_reduce_max_ps(scores));
+        const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m))));
+        const float rescale = std::exp(top[g] - m);  // 0 on the first block (top is -inf)
+        total[g] = total[g] * rescale + _mm512_reduce_add_ps(p);
+        const __m512 r = _mm512_set1_ps(rescale);
+        for (int64_t c = 0; c < V; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], r);
+        _mm512_store_ps(probs[g], p);
+        top[g] = m;
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        __m512 row[V];
+        for (int64_t c = 0; c < V; ++c) row[c] = load16(v + j * D + c * 16);
+        for (int64_t g = 0; g < group; ++g) {
+          const __m512 pj = _mm512_set1_ps(probs[g][j]);
+          for (int64_t c = 0; c < V; ++c) acc[g][c] = _mm512_fmadd_ps(pj, row[c], acc[g][c]);
+        }
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t h = kvh * group + g;
+      alignas(64) float o[D];
+      const __m512 inv = _mm512_set1_ps(1.f / total[g]);
+      for (int64_t c = 0; c < V; ++c) _mm512_store_ps(o + c * 16, _mm512_mul_ps(acc[g][c], inv));
+      for (int64_t d = 0; d < D; ++d) out[(b * heads + h) * D + d] = to_bf16(o[d]);
+      if (lse != nullptr) lse[b * heads + h] = top[g] + std::log(total[g]);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0, or -1 for a shape this kernel does not cover (the caller checks first).
+// query/out [batch, heads, head_dim]; caches [blocks, kv_heads, 16, head_dim]; tables
+// [batch, table_width] int32; context_lens [batch] int32, each >= 1; lse [batch, heads] or null.
+int conveyor_paged_decode_bf16(const uint16_t* query, const uint16_t* k_cache,
+                               const uint16_t* v_cache, const int32_t* tables,
+                               const int32_t* context_lens, uint16_t* out, float* lse,
+                               int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                               int64_t table_width, float scale) {
+  if (kv_heads < 1 || heads % kv_heads != 0 || heads / kv_heads > kMaxGroup) return -1;
+  if (head_dim == 64) {
+    decode<64>(query, k_cache, v_cache, tables, context_lens, out, lse, batch, heads, kv_heads,
+               table_width, scale);
+  } else if (head_dim == 128) {
+    decode<128>(query, k_cache, v_cache, tables, context_lens, out, lse, batch, heads, kv_heads,
+                table_width, scale);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+}

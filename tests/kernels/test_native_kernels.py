@@ -1,0 +1,85 @@
+"""The AVX512-BF16 decode kernel (`kernels.native_paged`) against the plainest implementation
+on the same bfloat16 inputs, its build cache, and which decode the compiled backend picks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import get_attention_backend, native_paged
+from kernels import torch_paged as ref
+from tests.kernels.test_kernels import paged_setup
+
+pytestmark = pytest.mark.skipif(
+    not native_paged.cpu_has_bf16_dot(), reason="this CPU has no AVX512-BF16"
+)
+
+
+def setup(lens, heads, kv_heads, head_dim, seed=0):
+    k_cache, v_cache, tables, g = paged_setup(
+        lens, 16, kv_heads, head_dim, seed=seed, dtype=torch.bfloat16
+    )
+    tables = torch.cat([tables, torch.zeros(len(lens), 2, dtype=tables.dtype)], 1)  # spare cols
+    query = torch.randn(len(lens), heads, head_dim, generator=g).to(torch.bfloat16)
+    return query, k_cache, v_cache, tables, torch.tensor(lens)
+
+
+@pytest.mark.parametrize(
+    "lens",
+    [
+        [1, 17, 300, 5, 64, 129, 2, 33],
+        [1],
+        [16, 32, 48],  # whole blocks only
+        [7, 15, 1000],  # a long one beside short ones
+    ],
+)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 4, 64), (4, 4, 128), (16, 1, 64)])
+def test_native_decode_matches_dense(lens, heads, kv_heads, head_dim) -> None:
+    query, k_cache, v_cache, tables, context = setup(lens, heads, kv_heads, head_dim, len(lens))
+    assert native_paged.covers(query, k_cache)
+    got, lse = native_paged.decode_attention(
+        query, k_cache, v_cache, tables, context, 0.17, return_lse=True
+    )
+    # the reference in float32 on the same bfloat16 values, rounded once at the end
+    want = ref.dense_decode_attention(
+        query.float(), k_cache.float(), v_cache.float(), tables, context, 0.17
+    )
+    torch.testing.assert_close(got, want.to(torch.bfloat16), rtol=1.6e-2, atol=4e-3)
+    _, want_lse = ref.decode_attention(
+        query.float(), k_cache.float(), v_cache.float(), tables, context, 0.17, return_lse=True
+    )
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_native_decode_takes_no_rows() -> None:
+    query, k_cache, v_cache, tables, context = setup([5], 8, 4, 64)
+    out = native_paged.decode_attention(query[:0], k_cache, v_cache, tables[:0], context[:0], 0.1)
+    assert out.shape == (0, 8, 64)
+
+
+def test_what_the_native_kernel_covers() -> None:
+    query, k_cache, _, _, _ = setup([5], 8, 4, 64)
+    assert native_paged.covers(query, k_cache)
+    assert not native_paged.covers(query.float(), k_cache.float())  # float32: inductor's
+    assert not native_paged.covers(query[..., :32], k_cache[..., :32])  # head size 32
+    wide = torch.zeros(4, 4, 32, 64, dtype=torch.bfloat16)  # blocks of 32 tokens
+    assert not native_paged.covers(query, wide)
+
+
+def test_compiled_backend_decodes_bf16_through_the_native_kernel(monkeypatch) -> None:
+    backend = get_attention_backend("compiled", torch.device("cpu"))
+    query, k_cache, v_cache, tables, context = setup([3, 40], 8, 4, 64)
+    calls = []
+    monkeypatch.setattr(native_paged, "decode_attention", lambda *a: calls.append(a) or a[0])
+    backend.decode_attention(query, k_cache, v_cache, tables, context, 0.1)
+    assert len(calls) == 1
+    backend.decode_attention(query.float(), k_cache.float(), v_cache.float(), tables, context, 0.1)
+    assert len(calls) == 1  # float32 went to the inductor kernel
+
+
+def test_kernel_is_built_once_and_kept(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    built = native_paged._build("g++")
+    assert built.parent == tmp_path / "conveyor" / "kernels" and built.exists()
+    stamp = built.stat().st_mtime_ns
+    assert native_paged._build("g++") == built and built.stat().st_mtime_ns == stamp
