@@ -6,6 +6,7 @@ import functools
 from collections.abc import Callable
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
@@ -20,7 +21,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def compiled_rms_norm() -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
     """`rms_norm` as one fused loop (inductor): on the CPU eager bfloat16 makes four passes
     and converts twice, 20x slower at 4,096 tokens. One graph for every token count."""
-    return torch.compile(rms_norm, dynamic=True)
+    compiled = torch.compile(rms_norm, dynamic=True)
+
+    def run(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        any_token_count(x)
+        return compiled(x, weight, eps)
+
+    return run
+
+
+def any_token_count(*tensors: torch.Tensor) -> None:
+    """Mark dim 0 (tokens) of a compiled function's inputs as one size known only at run
+    time. Else dynamo specialises on a count of 1, or on a count that happens to equal another
+    dim (duck sizing), and compiles again for the next step's count: seconds each time, after
+    the warm-up, on a live request."""
+    for t in tensors:
+        torch._dynamo.decorators.mark_unbacked(t, 0, shape_id="tokens")
 
 
 class RMSNorm(nn.Module):
@@ -133,7 +149,13 @@ def apply_rope(rope: Rope, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tens
 def compiled_apply_rope() -> Callable[[Rope, torch.Tensor, torch.Tensor], tuple]:
     """`apply_rope` as one fused loop per tensor (inductor): eager makes six passes and two
     concatenations. One graph for every token count."""
-    return torch.compile(apply_rope, dynamic=True)
+    compiled = torch.compile(apply_rope, dynamic=True)
+
+    def run(rope: Rope, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        any_token_count(*rope, q, k)
+        return compiled(rope, q, k)
+
+    return run
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -72,3 +72,23 @@ def test_bfloat16_logprobs_and_greedy_agree_with_transformers(checkpoints, hf_bf
           f"largest logprob difference {worst:.3f}")  # fmt: skip
     assert worst < LOGPROB_TOLERANCE
     assert rate >= MIN_GREEDY_AGREEMENT
+
+
+def test_after_warm_up_no_step_compiles_again(checkpoints):
+    """The worker warms its engine up before taking work; whatever token counts and batch
+    sizes come after (1, a count equal to the head count, thousands) reuse the same compiled
+    norm and rope graphs: a compile would stall live requests for seconds."""
+    import torch._dynamo
+
+    # blocks of 5: the warm-up prompt is 4 tokens, as many as the model's heads, the
+    # coincidence duck sizing turned into a graph for "tokens == heads" only
+    llm = LLM(str(checkpoints["llama"]), device="cpu", dtype="bfloat16", block_size=5)
+    assert llm.runner.backend.name == "compiled"
+    llm.warm_up()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    heads = llm.runner.model.model.layers[0].self_attn.num_heads
+    lengths = [1, 2, heads, heads + 1, 37, 300]
+    prompts = [[(7 * i + j) % 100 + 3 for j in range(n)] for i, n in enumerate(lengths)]
+    llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
