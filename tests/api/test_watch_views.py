@@ -1,11 +1,15 @@
-"""The read-only summaries for people watching jobs, computed from a ledger written by hand:
-error lines grouped by code, results over time, live workers and each model's queue."""
+"""What the web page reads beside the batch objects, computed from a ledger written by hand:
+error lines grouped by code, results over time, live workers and each model's queue. (The page
+itself, in a browser, is tests/ui/test_page.py.)"""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import time
+import tomllib
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from sqlalchemy.orm import Session
@@ -15,6 +19,8 @@ from api.errors import APIError
 from api.workers_view import live_workers, model_queues
 from ledger.db import Ledger
 from ledger.models import BatchRow, RequestRow, ResultRow, ShardRow, WorkerRow
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -170,3 +176,13 @@ def test_queues_count_the_projects_own_work(ledger: Ledger) -> None:
         assert (served.workers, served.queued_requests, served.batches_in_progress) == (1, 0, 1)
         other = {q.model: q for q in model_queues(session, "c", heartbeat_timeout=30).data}
         assert list(other) == ["served"] and other["served"].batches_in_progress == 0
+
+
+def test_the_page_files_ship_with_the_package() -> None:
+    # a non-editable install (the API's image) must carry every file the API serves
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = config["tool"]["setuptools"]["package-data"]["api"]
+    files = [p.relative_to(ROOT / "api").as_posix() for p in (ROOT / "api" / "ui").rglob("*")]
+    assert {"ui/index.html", "ui/app.js", "ui/style.css"} <= set(files)
+    for name in files:
+        assert any(fnmatch.fnmatchcase(name, p) for p in patterns), f"{name} would not ship"
