@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from api import errors
 from api.deps import AppState
 from api.metrics import api_registry
-from api.routes import batches, files, online, system
+from api.routes import batches, files, online, system, ui, workers
 from api.storage import FileStore
 from conveyor import __version__
 from conveyor.dispatch.celery_app import make_celery
@@ -67,6 +67,8 @@ def create_app(settings: Settings | None = None, *, reconcile: bool = True) -> F
     app.include_router(system.models)
     app.include_router(online.router)
     app.include_router(online.tokenizer)
+    app.include_router(workers.router)
+    ui.install(app)
     registry = api_registry(lambda: app.state.conveyor.ledger)
 
     @app.get("/metrics", tags=["system"], include_in_schema=False)

@@ -4,6 +4,7 @@ poll, the list, and what create and cancel answer."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import Row, bindparam, inspect, select
@@ -34,12 +35,23 @@ def read_batch(session: Session, batch_id: str, project: str) -> schemas.Batch:
 
 
 def batch_list(
-    session: Session, project: str, after: str | None, limit: int, idempotency_key: str | None
+    session: Session,
+    project: str,
+    after: str | None,
+    limit: int,
+    idempotency_key: str | None,
+    statuses: Sequence[BatchStatus] = (),
+    model: str | None = None,
 ) -> schemas.BatchList:
-    """A page of the project's batches, newest first, after the batch `after`."""
+    """A page of the project's batches, newest first, after the batch `after`; only those in
+    one of `statuses` and of `model` when given."""
     query = _BATCH_FIELDS.where(BatchRow.project == project)
     if idempotency_key is not None:
         query = query.where(BatchRow.idempotency_key == idempotency_key)
+    if statuses:
+        query = query.where(BatchRow.status.in_(statuses))
+    if model is not None:
+        query = query.where(BatchRow.model == model)
     rows = keyset_page(session, query, BatchRow, project, after, limit).all()
     return schemas.list_page(schemas.BatchList, rows, limit, batch_object)
 

@@ -16,6 +16,7 @@ ID_CHARS = FileRow.__table__.c.id.type.length
 assert ID_CHARS == BatchRow.__table__.c.id.type.length == ResultRow.__table__.c.line_id.type.length
 IDEMPOTENCY_KEY_CHARS = BatchRow.__table__.c.idempotency_key.type.length
 PURPOSE_CHARS = FileRow.__table__.c.purpose.type.length
+MODEL_CHARS = BatchRow.__table__.c.model.type.length
 
 
 def _storable(value: str) -> str:
@@ -33,3 +34,5 @@ IdempotencyKey = Annotated[
     str, StringConstraints(min_length=1, max_length=IDEMPOTENCY_KEY_CHARS), Storable
 ]
 PurposeText = Annotated[str, StringConstraints(max_length=PURPOSE_CHARS), Storable]
+ModelText = Annotated[str, StringConstraints(max_length=MODEL_CHARS), Storable]
+"""A model name given as a parameter (`model` of the batch list)."""

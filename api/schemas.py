@@ -186,6 +186,85 @@ class ModelList(BaseModel):
     data: list[Model]
 
 
+class ErrorExample(BaseModel):
+    id: str | None = Field(default=None, description="the error line's `id`")
+    custom_id: str | None = None
+    message: str | None = None
+    param: str | None = None
+    line: int | None = Field(default=None, description="the input line, for validation errors")
+
+
+class ErrorGroup(BaseModel):
+    code: str
+    count: int
+    examples: list[ErrorExample] = Field(description="the group's first error lines")
+
+
+class ErrorGroupList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ErrorGroup] = Field(description="most frequent code first")
+    scanned: int = Field(description="error lines read to make the groups")
+    complete: bool = Field(description="false when the batch has more error lines than were read")
+
+
+class ThroughputPoint(BaseModel):
+    start: int = Field(description="Unix seconds where the interval begins")
+    requests: int = Field(description="results (completed or failed) recorded in the interval")
+    failed: int
+    output_tokens: int
+
+
+class Throughput(BaseModel):
+    object: Literal["batch.throughput"] = "batch.throughput"
+    bucket_seconds: int = Field(description="the length of each interval")
+    first_result_at: float | None = None
+    last_result_at: float | None = None
+    data: list[ThroughputPoint] = Field(description="every interval from the first result on")
+
+
+class Worker(BaseModel):
+    id: str
+    object: Literal["worker"] = "worker"
+    models: list[str]
+    device: str | None = Field(default=None, description="cpu, cuda:0, ...; none: no model")
+    started_at: int
+    last_seen: float = Field(description="the worker's last heartbeat, Unix seconds")
+    running_requests: int | None = Field(default=None, description="in the engine's batch")
+    waiting_requests: int | None = Field(default=None, description="waiting for admission")
+    in_flight_requests: int | None = Field(
+        default=None, description="handed to the engine and not finished"
+    )
+    kv_cache_usage: float | None = Field(
+        default=None, description="fraction of KV-cache blocks in use, 0..1"
+    )
+    prefix_cache_hit_rate: float | None = Field(
+        default=None, description="fraction of prompt tokens served from the prefix cache"
+    )
+    generation_tokens: int | None = None
+    preemptions: int | None = None
+    running_shards: int = Field(description="shards this worker holds now")
+
+
+class WorkerList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Worker]
+
+
+class ModelQueue(BaseModel):
+    model: str
+    object: Literal["queue"] = "queue"
+    workers: int = Field(description="live workers serving the model")
+    queued_requests: int = Field(description="requests in shards no worker has started")
+    queued_shards: int
+    running_shards: int
+    batches_in_progress: int
+
+
+class QueueList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelQueue]
+
+
 class ErrorBody(BaseModel):
     message: str
     type: str

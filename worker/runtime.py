@@ -200,6 +200,7 @@ class WorkerRuntime:
         data["results_committed"] = self.writer.committed
         data["shard_prefixes"] = dict(self.shard_prefixes)
         data["writer_lag_seconds"] = round(self.writer.lag, 3)
+        data["device"] = str(getattr(self.engine, "device", None) or "none")  # echo: none
         return data
 
     # ---- one shard -------------------------------------------------------------------------

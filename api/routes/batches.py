@@ -8,17 +8,18 @@ from fastapi import APIRouter, Header, Query
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from api import schemas
+from api import batch_summary, schemas
 from api.batch_create import create_batch
 from api.batch_view import batch_list, batch_object, read_batch
 from api.deps import ProjectDep, SessionDep, StateDep, read_in_session
 from api.errors import APIError
 from api.guard import KeyedRoute
 from api.lookups import get_batch
-from api.params import IdempotencyKey, IdText
+from api.params import IdempotencyKey, IdText, ModelText
 from api.results import result_lines, seq_after
 from conveyor.batch_format.errors import BATCH_NOT_CANCELLABLE
 from ledger import batch_lifecycle
+from ledger.states import BatchStatus
 
 router = APIRouter(
     prefix="/v1/batches", tags=["batches"], responses=schemas.V1_ERRORS, route_class=KeyedRoute
@@ -46,8 +47,16 @@ async def list_batches(
     after: IdText | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     idempotency_key: IdempotencyKey | None = None,
+    status: Annotated[
+        list[BatchStatus] | None, Query(description="extension: only batches in these statuses")
+    ] = None,
+    model: Annotated[
+        ModelText | None, Query(description="extension: only batches of this model")
+    ] = None,
 ) -> schemas.BatchList:
-    return await read_in_session(state, batch_list, project, after, limit, idempotency_key)
+    return await read_in_session(
+        state, batch_list, project, after, limit, idempotency_key, status or (), model
+    )
 
 
 @router.get("/{batch_id}", response_model=schemas.Batch)
@@ -68,6 +77,26 @@ def cancel(
         raise APIError(409, str(err), code=BATCH_NOT_CANCELLABLE) from None
     session.flush()
     return batch_object(batch)
+
+
+@router.get("/{batch_id}/error_groups", response_model=schemas.ErrorGroupList)
+async def error_groups(
+    batch_id: str,
+    state: StateDep,
+    project: ProjectDep,
+    examples: Annotated[int, Query(ge=0, le=20, description="error lines shown per code")] = 3,
+) -> schemas.ErrorGroupList:
+    """Extension: the batch's error lines grouped by `error.code`, most frequent first, each
+    with its first `examples` lines (`custom_id`, `message`). Read from at most the first
+    20,000 error lines (`complete` says whether that was all of them)."""
+    return await read_in_session(state, batch_summary.error_groups, batch_id, project, examples)
+
+
+@router.get("/{batch_id}/throughput", response_model=schemas.Throughput)
+async def throughput(batch_id: str, state: StateDep, project: ProjectDep) -> schemas.Throughput:
+    """Extension: the batch's results and output tokens per interval, from its first result to
+    its last (at most about 60 intervals, each `bucket_seconds` long)."""
+    return await read_in_session(state, batch_summary.throughput, batch_id, project)
 
 
 @router.get("/{batch_id}/results")

@@ -110,6 +110,15 @@ def test_embedded_serve_and_submit(embedded: tuple[str, dict[str, str]], tmp_pat
     batch = httpx.get(f"{url}/v1/batches/{batch_id}").json()
     assert batch["status"] == "completed" and batch["model"] == "demo"
     assert batch["request_counts"] == {"total": 16, "completed": 16, "failed": 0}
+    # the web page, at the root, and what it reads beside the batches, on the SQLite ledger
+    page = httpx.get(url + "/", follow_redirects=True)
+    assert page.status_code == 200 and '<script type="module" src="app.js">' in page.text
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+    series = httpx.get(f"{url}/v1/batches/{batch_id}/throughput").json()
+    assert sum(p["requests"] for p in series["data"]) == 16
+    (worker,) = httpx.get(url + "/v1/workers").json()["data"]
+    assert worker["models"] == ["demo"] and worker["device"] == "cpu"
+    assert 0 <= worker["kv_cache_usage"] < 1 and worker["running_shards"] == 0
 
     # a line that fails alone lands in --errors; with --max-failed 1 that is still success
     bad = [*lines[:3], {**lines[3], "body": {**lines[3]["body"], "temperature": -1}}]
@@ -123,6 +132,11 @@ def test_embedded_serve_and_submit(embedded: tuple[str, dict[str, str]], tmp_pat
     ]
     errors = [json.loads(x) for x in err.read_text().splitlines()]
     assert [(e["custom_id"], e["error"]["line"]) for e in errors] == [(lines[3]["custom_id"], 4)]
+    batch_id = done.stdout.split()[0]
+    groups = httpx.get(f"{url}/v1/batches/{batch_id}/error_groups").json()["data"]
+    assert [(g["code"], g["count"], g["examples"][0]["custom_id"]) for g in groups] == [
+        (errors[0]["error"]["code"], 1, lines[3]["custom_id"])
+    ]
 
     # a file that fails validation: exit code 3 and the line named on stderr
     dup = write_jsonl(tmp_path / "dup.jsonl", [lines[0], lines[1], lines[0]])

@@ -1,0 +1,188 @@
+"""What the web page reads beside the batch objects, computed from a ledger written by hand:
+error lines grouped by code, results over time, live workers and each model's queue. (The page
+itself, in a browser, is tests/ui/test_page.py.)"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import time
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy.orm import Session
+
+from api import batch_summary
+from api.errors import APIError
+from api.workers_view import live_workers, model_queues
+from ledger.db import Ledger
+from ledger.models import BatchRow, RequestRow, ResultRow, ShardRow, WorkerRow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def ledger(database_url: str) -> Iterator[Ledger]:
+    ledger = Ledger(database_url)
+    yield ledger
+    ledger.dispose()
+
+
+def add_batch(session: Session, batch_id: str, project: str = "default", model: str = "m"):
+    session.add(
+        BatchRow(
+            id=batch_id,
+            project=project,
+            input_file_id="file-x",
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            model=model,
+            status="in_progress",
+            created_at=0,
+        )
+    )
+    session.flush()
+
+
+def add_results(session: Session, batch_id: str, results: list[tuple[float, str | None, int]]):
+    """(created_at, error code or None for a result, completion tokens) per request."""
+    for i, (at, code, tokens) in enumerate(results):
+        request = RequestRow(batch_id=batch_id, line=i + 1, custom_id=f"c{i}", raw="{}")
+        session.add(request)
+        session.flush()
+        error = None if code is None else {"code": code, "message": f"m{i}", "line": i + 1}
+        line = {"id": f"{batch_id}-l{i}", "custom_id": f"c{i}", "response": None, "error": error}
+        session.add(
+            ResultRow(
+                request_id=request.id,
+                batch_id=batch_id,
+                line_id=line["id"],
+                ok=code is None,
+                output=json.dumps(line),
+                completion_tokens=tokens,
+                created_at=at,
+            )
+        )
+
+
+def add_worker(session: Session, name: str, model: str, seen_ago: float, stats=None) -> None:
+    now = time.time()
+    row = WorkerRow(
+        id=name, models=[model], queues=[], started_at=now - 60, last_seen=now - seen_ago
+    )
+    row.stats = stats
+    session.add(row)
+
+
+def add_shards(session: Session, batch_id: str, shards: list[tuple[str, int, str | None]]):
+    """(status, size, worker) per shard."""
+    for i, (status, size, worker) in enumerate(shards):
+        shard = ShardRow(batch_id=batch_id, index=i, queue="q", status=status, size=size)
+        shard.prefix_key, shard.worker = "p", worker
+        session.add(shard)
+
+
+def test_error_lines_are_grouped_by_code_with_the_first_examples(ledger: Ledger, monkeypatch):
+    codes = [None, "b", "a", "b", None, "b", "a", "c"]
+    with ledger.session() as session:
+        add_batch(session, "batch-1")
+        add_results(session, "batch-1", [(100.0 + i, code, 1) for i, code in enumerate(codes)])
+    with ledger.reads() as session:
+        groups = batch_summary.error_groups(session, "batch-1", "default", examples=2)
+        assert [(g.code, g.count) for g in groups.data] == [("b", 3), ("a", 2), ("c", 1)]
+        assert [e.custom_id for e in groups.data[0].examples] == ["c1", "c3"]  # the first two
+        assert groups.data[0].examples[0].message == "m1" and groups.data[0].examples[0].line == 2
+        assert (groups.scanned, groups.complete) == (6, True)
+        with pytest.raises(APIError) as other_project:
+            batch_summary.error_groups(session, "batch-1", "team-b", examples=2)
+        assert other_project.value.status == 404
+        monkeypatch.setattr(batch_summary, "MAX_SCANNED", 4)
+        partial = batch_summary.error_groups(session, "batch-1", "default", examples=0)
+        assert (partial.scanned, partial.complete) == (4, False)
+        assert sum(g.count for g in partial.data) == 4 and partial.data[0].examples == []
+
+
+def test_throughput_counts_results_per_interval(ledger: Ledger) -> None:
+    start = 1_700_000_000.0
+    # 3 results in the first second, none in the next two, 2 (one failed) in the fourth
+    short = [(start + 0.1, None, 5), (start + 0.5, None, 5), (start + 0.9, None, 2),
+             (start + 3.2, "x", 0), (start + 3.7, None, 4)]  # fmt: skip
+    # 200 results over 10 minutes: intervals of 10 s
+    long = [(start + 3 * i, None, 1) for i in range(200)]
+    with ledger.session() as session:
+        for batch_id, results in (("b-short", short), ("b-long", long), ("b-none", [])):
+            add_batch(session, batch_id)
+            add_results(session, batch_id, results)
+    with ledger.reads() as session:
+        series = batch_summary.throughput(session, "b-short", "default")
+        assert series.bucket_seconds == 1 and series.first_result_at == start + 0.1
+        points = [
+            (p.start - int(start), p.requests, p.failed, p.output_tokens) for p in series.data
+        ]
+        assert points == [(0, 3, 0, 12), (1, 0, 0, 0), (2, 0, 0, 0), (3, 2, 1, 4)]
+        series = batch_summary.throughput(session, "b-long", "default")
+        assert series.bucket_seconds == 10 and len(series.data) == 60
+        assert {p.requests for p in series.data} <= {3, 4}
+        assert sum(p.requests for p in series.data) == 200
+        assert batch_summary.throughput(session, "b-none", "default").data == []
+        with pytest.raises(APIError):
+            batch_summary.throughput(session, "b-short", "team-b")
+
+
+def test_live_workers_show_their_engine_state(ledger: Ledger) -> None:
+    engine = {"num_running": 5, "num_waiting": 2, "in_flight": 7, "kv_blocks_total": 400,
+              "kv_blocks_used": 100, "prompt_tokens_computed": 300, "prompt_tokens_cached": 100,
+              "generation_tokens": 900, "num_preemptions": 1, "device": "cuda:0"}  # fmt: skip
+    with ledger.session() as session:
+        add_worker(session, "gpu-1", "qwen3", seen_ago=1, stats=engine)
+        add_worker(session, "echo-1", "echo", seen_ago=1, stats={"generation_tokens": 3})
+        add_worker(session, "gone", "qwen3", seen_ago=60, stats=engine)
+        add_batch(session, "batch-1", model="qwen3")
+        running = ("running", 8, "gpu-1")
+        add_shards(session, "batch-1", [running, running, ("queued", 8, None), ("done", 8, "w")])
+    with ledger.reads() as session:
+        workers = {w.id: w for w in live_workers(session, heartbeat_timeout=30).data}
+    assert sorted(workers) == ["echo-1", "gpu-1"]  # not the one silent for a minute
+    gpu = workers["gpu-1"]
+    assert (gpu.device, gpu.running_requests, gpu.waiting_requests) == ("cuda:0", 5, 2)
+    assert gpu.in_flight_requests == 7
+    assert (gpu.kv_cache_usage, gpu.prefix_cache_hit_rate, gpu.running_shards) == (0.25, 0.25, 2)
+    assert gpu.generation_tokens == 900 and gpu.preemptions == 1
+    echo = workers["echo-1"]  # a null engine has no KV cache, no prefix cache, no shards now
+    assert (echo.device, echo.kv_cache_usage, echo.prefix_cache_hit_rate) == (None, None, None)
+    assert (echo.running_requests, echo.generation_tokens, echo.running_shards) == (None, 3, 0)
+
+
+def test_queues_count_the_projects_own_work(ledger: Ledger) -> None:
+    with ledger.session() as session:
+        add_worker(session, "w", "served", seen_ago=1)
+        queued = [("queued", 8, None), ("queued", 3, None)]
+        for project, batch_id, model, shards in (
+            ("a", "batch-a1", "wanted", [*queued, ("running", 8, "w")]),
+            ("a", "batch-a2", "served", [("done", 8, "w")]),
+            ("b", "batch-b1", "wanted", [("queued", 8, None)]),
+        ):
+            add_batch(session, batch_id, project=project, model=model)
+            add_shards(session, batch_id, shards)
+    with ledger.reads() as session:
+        queues = {q.model: q for q in model_queues(session, "a", heartbeat_timeout=30).data}
+        assert sorted(queues) == ["served", "wanted"]
+        wanted = queues["wanted"]
+        assert (wanted.workers, wanted.queued_requests, wanted.queued_shards) == (0, 11, 2)
+        assert (wanted.running_shards, wanted.batches_in_progress) == (1, 1)
+        served = queues["served"]
+        assert (served.workers, served.queued_requests, served.batches_in_progress) == (1, 0, 1)
+        other = {q.model: q for q in model_queues(session, "c", heartbeat_timeout=30).data}
+        assert list(other) == ["served"] and other["served"].batches_in_progress == 0
+
+
+def test_the_page_files_ship_with_the_package() -> None:
+    # a non-editable install (the API's image) must carry every file the API serves
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = config["tool"]["setuptools"]["package-data"]["api"]
+    files = [p.relative_to(ROOT / "api").as_posix() for p in (ROOT / "api" / "ui").rglob("*")]
+    assert {"ui/index.html", "ui/app.js", "ui/style.css"} <= set(files)
+    for name in files:
+        assert any(fnmatch.fnmatchcase(name, p) for p in patterns), f"{name} would not ship"
