@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.layers import (
+    Linear,
     PackedLinear,
     PrepackedLinear,
     RMSNorm,
@@ -51,7 +52,7 @@ class Attention(nn.Module):
             config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias
         )
         o_bias = bool(getattr(config, "attention_bias", False))  # Qwen2 biases q/k/v only
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
         self.compiled = False  # rope as one fused loop (see `compile_elementwise`)
         self.qk_norm = qk_norm
         if qk_norm:
@@ -83,7 +84,7 @@ class MLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         hidden, inter = config.hidden_size, config.intermediate_size
         self.gate_up_proj = PackedLinear(hidden, {"gate": inter, "up": inter}, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.down_proj = Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.forward_shards(x)
@@ -164,6 +165,9 @@ class DecoderForCausalLM(nn.Module):
         """Once the weights are loaded: the output layer in oneDNN's layout where that is
         faster (float32 and bfloat16 on a CPU)."""
         self.packed_lm_head = PrepackedLinear.for_cpu(self.lm_head.weight)
+        for module in self.model.modules():
+            if isinstance(module, Linear):
+                module.prepack()
 
 
 class LlamaForCausalLM(DecoderForCausalLM):

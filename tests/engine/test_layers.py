@@ -47,12 +47,28 @@ def test_prepacked_output_layer_matches_the_plain_product():
     assert PrepackedLinear.for_cpu(weight.half()) is None  # keeps the plain product
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepacked_projection_matches_the_plain_one_and_drops_its_weight(dtype):
+    from engine.models.layers import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(48, 80, bias=True).to(dtype)
+    x = torch.randn(7, 48).to(dtype)
+    want = layer(x)
+    layer.prepack()
+    assert layer.packed is not None and layer.weight.numel() == 0
+    torch.testing.assert_close(layer(x), want)
+
+
 def test_loaded_model_prepacks_its_output_layer(checkpoints):
     from engine import LLM
 
     llm = LLM(str(checkpoints["llama"]), device="cpu", dtype="float32")
     model = llm.runner.model
     assert model.packed_lm_head is not None
+    layer = model.model.layers[0]
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
+        assert linear.packed is not None
     hidden = torch.randn(9, model.lm_head.in_features)
     torch.testing.assert_close(
         model.compute_logits(hidden), model.lm_head(hidden), rtol=1e-4, atol=1e-4
