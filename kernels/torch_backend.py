@@ -12,6 +12,7 @@ class TorchPagedAttention:
     name = "torch"
     cascade = True  # reads a prefix shared by many sequences once for all (kernels.cascade)
     decode_attention = staticmethod(torch_paged.decode_attention)
+    prefill_attention = staticmethod(torch_paged.prefill_attention)
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):  # noqa: D102
         torch_paged.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
@@ -42,7 +43,7 @@ class TorchPagedAttention:
             )
         if meta.num_prefills:
             parts.append(
-                torch_paged.prefill_attention(
+                self.prefill_attention(
                     query[d:],
                     k_cache,
                     v_cache,
@@ -64,8 +65,9 @@ class TorchPagedAttention:
 
 class CompiledPagedAttention(TorchPagedAttention):
     """The torch path with its decode attention compiled (CPU): no gathered K/V copies. In
-    bfloat16 on a CPU with AVX512-BF16 the decode is `native_paged`'s kernel, elsewhere the
-    one inductor compiles (`compiled_paged`)."""
+    bfloat16 on a CPU with AVX512-BF16 both decode and prefill attention are `native_paged`'s
+    kernel; elsewhere the decode is the one inductor compiles (`compiled_paged`) and prefill
+    is torch's."""
 
     name = "compiled"
 
@@ -82,3 +84,16 @@ class CompiledPagedAttention(TorchPagedAttention):
         covered = native_paged.covers(query, k_cache)
         kernel = native_paged.decode_attention if covered else self.inductor_decode
         return kernel(query, k_cache, v_cache, block_tables, context_lens, scale, return_lse)
+
+    def prefill_attention(
+        self, query, k_cache, v_cache, block_tables, query_start, context_lens, scale, key=None,
+        value=None, return_lse=False,
+    ):  # fmt: skip
+        if native_paged.covers(query, k_cache):
+            return native_paged.prefill_attention(
+                query, k_cache, v_cache, block_tables, query_start, context_lens, scale, return_lse
+            )
+        return torch_paged.prefill_attention(
+            query, k_cache, v_cache, block_tables, query_start, context_lens, scale, key, value,
+            return_lse,
+        )  # fmt: skip

@@ -1,5 +1,6 @@
-"""The AVX512-BF16 decode kernel (`kernels.native_paged`) against the plainest implementation
-on the same bfloat16 inputs, its build cache, and which decode the compiled backend picks."""
+"""The AVX512-BF16 attention kernel (`kernels.native_paged`) against the reference on the same
+bfloat16 inputs, decode and prefill, its build cache, and which kernel the compiled backend
+picks."""
 
 from __future__ import annotations
 
@@ -51,6 +52,29 @@ def test_native_decode_matches_dense(lens, heads, kv_heads, head_dim) -> None:
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 4, 64), (4, 4, 128)])
+def test_native_prefill_matches_the_reference(heads, kv_heads, head_dim) -> None:
+    """Chunks with nothing cached before them and chunks after a cached context, one query
+    row each as a decode up to its own position."""
+    lens = [40, 17, 300, 1, 16]  # tokens in the cache after this step's chunk
+    chunks = [40, 5, 120, 1, 16]  # this step's queries of each (the rest was cached)
+    k_cache, v_cache, tables, g = paged_setup(lens, 16, kv_heads, head_dim, seed=3,
+                                              dtype=torch.bfloat16)  # fmt: skip
+    starts = [0]
+    for n in chunks:
+        starts.append(starts[-1] + n)
+    query = torch.randn(starts[-1], heads, head_dim, generator=g).to(torch.bfloat16)
+    got, lse = native_paged.prefill_attention(
+        query, k_cache, v_cache, tables, starts, lens, 0.2, return_lse=True
+    )
+    want, want_lse = ref.prefill_attention(
+        query.float(), k_cache.float(), v_cache.float(), tables, starts, lens, 0.2,
+        return_lse=True,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want.to(torch.bfloat16), rtol=1.6e-2, atol=4e-3)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
 def test_native_decode_takes_no_rows() -> None:
     query, k_cache, v_cache, tables, context = setup([5], 8, 4, 64)
     out = native_paged.decode_attention(query[:0], k_cache, v_cache, tables[:0], context[:0], 0.1)
@@ -75,6 +99,8 @@ def test_compiled_backend_decodes_bf16_through_the_native_kernel(monkeypatch) ->
     assert len(calls) == 1
     backend.decode_attention(query.float(), k_cache.float(), v_cache.float(), tables, context, 0.1)
     assert len(calls) == 1  # float32 went to the inductor kernel
+    backend.prefill_attention(query, k_cache, v_cache, tables[:1], [0, 2], [3], 0.1)
+    assert len(calls) == 2  # bf16 prefill: the same kernel, a row per query
 
 
 def test_kernel_is_built_once_and_kept(tmp_path, monkeypatch) -> None:
