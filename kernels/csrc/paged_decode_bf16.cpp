@@ -99,6 +99,13 @@ void decode(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_ca
       const uint16_t* k = k_cache + base;
       const uint16_t* v = v_cache + base;
       const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+      if (i + 1 < blocks) {  // the next block's rows sit elsewhere in the pool: ask early
+        const int64_t next = tables[b * table_width + i + 1] * block_stride + kvh * kBlock * D;
+        for (int64_t line = 0; line < kBlock * D * 2; line += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(k_cache + next) + line, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(v_cache + next) + line, _MM_HINT_T0);
+        }
+      }
       for (int64_t g = 0; g < group; ++g) {
         __m512 dots[kBlock];
         for (int64_t j = 0; j < kBlock; ++j) {
