@@ -1,10 +1,12 @@
-"""Paged decode attention in bfloat16 for x86 CPUs with AVX512-BF16, from `csrc/`.
+"""Paged attention in bfloat16 for x86 CPUs with AVX512-BF16, from `csrc/`.
 
 The kernel reads each sequence's K/V blocks in place through the block table and takes Q.K
 with the CPU's bfloat16 dot-product instruction: at a decode step of 96 sequences with contexts
-of 32-400 it runs 2-4x faster than the inductor-compiled decode (`compiled_paged`), and it has
-no padding to the longest context. It covers blocks of 16 tokens, head sizes 64 and 128 and up
-to 16 query heads per KV head; the compiled backend sends everything else to `compiled_paged`.
+of 32-400 it runs 2-3x faster than the inductor-compiled decode (`compiled_paged`), near the
+machine's copy bandwidth, with no padding to the longest context. Prefill runs through it too,
+a query row at a time. It covers blocks of 16 tokens, head sizes 64 and 128 and up to 16 query
+heads per KV head; the compiled backend sends everything else to `compiled_paged` (decode) and
+`torch_paged` (prefill).
 
 It is built with the C++ compiler on first use (under a second) into
 `~/.cache/conveyor/kernels/` (or `$XDG_CACHE_HOME/conveyor/kernels/`), named by a hash of its
