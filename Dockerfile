@@ -48,6 +48,10 @@ FROM ${PYTHON_IMAGE} AS worker-cpu
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HF_HOME=/models
 WORKDIR /app
+# a C++ compiler: inductor's compiled norms, rope and decode, and the bfloat16 attention kernel,
+# are built on the worker's own CPU at start (without one the worker runs the eager path)
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 RUN pip install torch --index-url https://download.pytorch.org/whl/cpu
 COPY . .
 RUN pip install . \
