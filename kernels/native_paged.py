@@ -10,7 +10,8 @@ heads per KV head; the compiled backend sends everything else to `compiled_paged
 
 It is built with the C++ compiler on first use (under a second) into
 `~/.cache/conveyor/kernels/` (or `$XDG_CACHE_HOME/conveyor/kernels/`), named by a hash of its
-source and flags, and loaded with ctypes; it runs on the OpenMP threads torch already uses.
+source and flags, and loaded with ctypes; it runs on torch's OpenMP runtime with torch's thread
+count (not OpenMP's default for the calling thread, which would be every core).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     fn = lib.conveyor_paged_decode_bf16
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float]
+    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
     return lib
 
 
@@ -121,7 +122,7 @@ def decode_attention(
             query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
             lens.data_ptr(), out.data_ptr(), None if lse is None else lse.data_ptr(),
             query.shape[0], query.shape[1], k_cache.shape[1], query.shape[2], tables.shape[1],
-            float(scale),
+            float(scale), torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise ValueError(f"paged_decode_bf16 does not cover shape {tuple(query.shape)}")

@@ -71,13 +71,14 @@ inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
 template <int64_t D>
 void decode(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_cache,
             const int32_t* tables, const int32_t* context_lens, uint16_t* out, float* lse,
-            int64_t batch, int64_t heads, int64_t kv_heads, int64_t table_width, float scale) {
+            int64_t batch, int64_t heads, int64_t kv_heads, int64_t table_width, float scale,
+            int threads) {
   constexpr int64_t C = D / 32, V = D / 16;  // 32 bf16 per dot-product chunk, 16 floats per row chunk
   const int64_t group = heads / kv_heads;
   const int64_t block_stride = kv_heads * kBlock * D;
   const __m512 vscale = _mm512_set1_ps(scale);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t task = 0; task < batch * kv_heads; ++task) {
     const int64_t b = task / kv_heads, kvh = task % kv_heads;
     const int64_t context = context_lens[b];
@@ -152,19 +153,20 @@ extern "C" {
 
 // Returns 0, or -1 for a shape this kernel does not cover (the caller checks first).
 // query/out [batch, heads, head_dim]; caches [blocks, kv_heads, 16, head_dim]; tables
-// [batch, table_width] int32; context_lens [batch] int32, each >= 1; lse [batch, heads] or null.
+// [batch, table_width] int32; context_lens [batch] int32, each >= 1; lse [batch, heads] or null;
+// threads: the caller's thread count (torch's), not OpenMP's default for this thread.
 int conveyor_paged_decode_bf16(const uint16_t* query, const uint16_t* k_cache,
                                const uint16_t* v_cache, const int32_t* tables,
                                const int32_t* context_lens, uint16_t* out, float* lse,
                                int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                               int64_t table_width, float scale) {
+                               int64_t table_width, float scale, int threads) {
   if (kv_heads < 1 || heads % kv_heads != 0 || heads / kv_heads > kMaxGroup) return -1;
   if (head_dim == 64) {
     decode<64>(query, k_cache, v_cache, tables, context_lens, out, lse, batch, heads, kv_heads,
-               table_width, scale);
+               table_width, scale, threads);
   } else if (head_dim == 128) {
     decode<128>(query, k_cache, v_cache, tables, context_lens, out, lse, batch, heads, kv_heads,
-                table_width, scale);
+                table_width, scale, threads);
   } else {
     return -1;
   }
