@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 
 import torch
 import torch._dynamo
 
-from kernels.cache_dir import cache_dir
+from kernels.cpu_build import cache_dir, cxx
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +149,7 @@ def _decode(query, k_cache, v_cache, block_tables, context_lens, num_blocks, sca
 
 def compiler_missing() -> str | None:
     """Why inductor cannot build CPU code here, or None."""
-    cxx = os.environ.get("CXX") or "g++"
-    if shutil.which(cxx) is None and shutil.which("c++") is None:
-        return f"no C++ compiler ({cxx}) on PATH; install g++ or set CXX"
+    if cxx() is None:
+        wanted = os.environ.get("CXX") or "g++"
+        return f"no C++ compiler ({wanted}) on PATH; install g++ or set CXX"
     return None

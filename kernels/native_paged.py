@@ -21,14 +21,13 @@ import functools
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
 
-from kernels.cache_dir import cache_dir
+from kernels.cpu_build import cache_dir, cxx
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +67,12 @@ def _library() -> ctypes.CDLL | None:
     """The built kernel, or None (logged once) where it cannot be built or run here."""
     if not cpu_has_bf16_dot():
         return None
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
+    compiler = cxx()
+    if compiler is None:
         log.warning("attention: no C++ compiler; bfloat16 decode uses the inductor kernel")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(cxx)))
+        lib = ctypes.CDLL(str(_build(compiler)))
     except (OSError, subprocess.CalledProcessError) as err:
         log.warning("attention: the AVX512-BF16 decode kernel did not build (%s); "
                     "bfloat16 decode uses the inductor kernel", err)  # fmt: skip

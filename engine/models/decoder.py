@@ -162,8 +162,8 @@ class DecoderForCausalLM(nn.Module):
                 module.compiled = True
 
     def prepack(self) -> None:
-        """Once the weights are loaded: the output layer in oneDNN's layout where that is
-        faster (float32 and bfloat16 on a CPU)."""
+        """Once the weights are loaded: every projection and the output layer in oneDNN's
+        layout where that is faster (float32 and bfloat16 on a CPU)."""
         self.packed_lm_head = PrepackedLinear.for_cpu(self.lm_head.weight)
         for module in self.model.modules():
             if isinstance(module, Linear):
