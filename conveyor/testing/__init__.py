@@ -24,7 +24,7 @@ from conveyor.testing.batches import (
     write_jsonl,
 )
 from conveyor.testing.servers import LocalPostgres, LocalRedis, ServerMissing, free_port
-from conveyor.testing.stack import Stack, embedded_serve, service_env, stack_env
+from conveyor.testing.stack import Stack, embedded_serve, service_env, stack_env, stop_group
 
 __all__ = [
     "ApiKey",
@@ -40,6 +40,7 @@ __all__ = [
     "run_keys",
     "service_env",
     "stack_env",
+    "stop_group",
     "submit_batch",
     "upload_file",
     "wait_for",

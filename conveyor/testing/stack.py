@@ -180,9 +180,19 @@ def embedded_serve(
             time.sleep(0.3)
         yield f"http://127.0.0.1:{port}"
     finally:
+        stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen, grace: float = 30) -> None:
+    """SIGTERM the process group `proc` leads (started with `start_new_session`), SIGKILL it
+    if it is still there after `grace` seconds."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        proc.wait(10)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conveyor.testing import batch_lines, free_port, write_jsonl
+from conveyor.testing import batch_lines, free_port, stop_group, write_jsonl
 
 EXIT_BATCH_FAILED = 3
 EXIT_TOO_MANY_FAILED = 6
@@ -56,13 +55,7 @@ def embedded(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
             time.sleep(0.3)
         yield url, env
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_group(proc)
 
 
 def submit(url: str, env: dict[str, str], path: Path, *args: str) -> subprocess.CompletedProcess:
