@@ -102,7 +102,7 @@ def run_round(args, m: BenchModel, llm: LLM, hf, seed: int) -> Round:
     `--hf-requests` of them, one after the other: both under the VM's speed of the moment."""
     wl = make_workload(args.requests, (32, 400), (16, 128), m.shape.vocab, seed)
     seconds = run_engine(llm, wl)
-    subset = make_workload(args.hf_requests, (32, 400), (16, 128), m.shape.vocab, seed)
+    subset = Workload(wl.prompts[: args.hf_requests], wl.output_lens[: args.hf_requests])
     hf_result = run_hf(hf, subset, args.hf_batch)
     r = Round(seed, workload_flops(m.shape, wl.prompts, wl.output_lens), seconds,
               wl.output_tokens / seconds, subset.output_tokens / hf_result.wall)  # fmt: skip
