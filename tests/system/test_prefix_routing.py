@@ -14,7 +14,13 @@ from conveyor.batch_format.request_line import parse_request_object
 from conveyor.dispatch.routing import owner
 from conveyor.testing import Stack, batch_lines, wait_for, write_jsonl
 from tests.system.test_service import submit
-from tests.system.test_service_recovery import assert_each_once, ledger, wait_results, worker_stats
+from tests.system.test_service_recovery import (
+    assert_each_once,
+    ledger,
+    result_count,
+    wait_results,
+    worker_stats,
+)
 
 
 def systems_owned_by(workers: list[str]) -> list[str]:
@@ -78,11 +84,16 @@ def test_killing_one_worker_moves_its_share(stack: Stack, chat_model: Path, tmp_
     stack.start_worker("w2", chat_model, "--concurrency", "2")
     sys_a, sys_b = systems_owned_by(["w1", "w2"])
     batches = []
+    # long enough outputs that w1 is still busy with its share when it is killed (with 24
+    # tokens a fast engine could finish all of it between the poll and the kill)
     for i, system in enumerate([sys_a, sys_b, sys_a, sys_b]):
-        lines = batch_lines(40, system=system, prefix=f"k{i}", max_tokens=24)
+        lines = batch_lines(40, system=system, prefix=f"k{i}", max_tokens=96)
         batches.append((submit(api, write_jsonl(tmp_path / f"{i}.jsonl", lines)), lines))
     wait_results(stack, batches[0][0]["id"], 3)
     stack.kill("w1")
+    share_a = [batches[0][0]["id"], batches[2][0]["id"]]
+    done_a = sum(result_count(stack, batch_id) for batch_id in share_a)
+    assert done_a < 80, "w1 finished its whole share before the kill: nothing left to move"
     for batch, lines in batches:
         done = wait_for(api, batch["id"], timeout=300)
         assert done["status"] == "completed"
