@@ -88,7 +88,7 @@ class LLMEngine:
         )
         backend = get_attention_backend(config.attention_backend, self.device)
         if backend.name == "compiled":  # inductor builds CPU code here: fuse norms and rope
-            net.compile_elementwise()
+            net.fuse_elementwise()
         self.runner = ModelRunner(
             net, backend, num_kv_blocks, config.block_size, self.device, self.dtype
         )

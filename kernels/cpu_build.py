@@ -4,9 +4,20 @@ worker's second start loads them instead of compiling again."""
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import logging
 import os
 import shutil
+import subprocess
+import tempfile
 from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# the flags of the AVX512-BF16 kernels in csrc/
+AVX512_BF16_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma",
+                     "-fopenmp", "-shared", "-fPIC")  # fmt: skip
 
 
 def cache_dir(*parts: str) -> Path:
@@ -17,3 +28,46 @@ def cache_dir(*parts: str) -> Path:
 def cxx() -> str | None:
     """The C++ compiler's path, or None when there is none on PATH."""
     return shutil.which(os.environ.get("CXX") or "g++") or shutil.which("c++")
+
+
+def cpu_has_avx512_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags and "avx512bw" in flags
+
+
+def build_library(compiler: str, source: Path, flags: tuple[str, ...]) -> Path:
+    """The shared library of `source`, built once into the cache dir under a name hashed from
+    the source, the flags and the compiler's version."""
+    text = source.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(text + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
+    target = cache_dir("kernels") / f"{source.stem}-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # built beside the target and renamed: workers starting together never load half a file
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            subprocess.run([compiler, *flags, "-o", str(built), str(source)], check=True,
+                           capture_output=True, text=True)  # fmt: skip
+            os.replace(built, target)
+    return target
+
+
+def load_avx512_bf16(source: Path, fallback: str) -> ctypes.CDLL | None:
+    """One of csrc/'s AVX512-BF16 kernels, built if need be and loaded; None where this CPU
+    lacks the instructions, or (logged, with `fallback`: what runs instead) where no compiler
+    is found or the build fails."""
+    if not cpu_has_avx512_bf16():
+        return None
+    compiler = cxx()
+    if compiler is None:
+        log.warning("%s: no C++ compiler; %s", source.name, fallback)
+        return None
+    try:
+        return ctypes.CDLL(str(build_library(compiler, source, AVX512_BF16_FLAGS)))
+    except (OSError, subprocess.CalledProcessError) as err:
+        log.warning("%s did not build (%s); %s", source.name, err, fallback)
+        return None

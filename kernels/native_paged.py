@@ -18,33 +18,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import cache_dir, cxx
-
-log = logging.getLogger(__name__)
+from kernels.cpu_build import load_avx512_bf16
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode_bf16.cpp"
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp",
-         "-shared", "-fPIC")  # fmt: skip
 BLOCK_SIZE = 16
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 16
-
-
-def cpu_has_bf16_dot() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags and "avx512bw" in flags
 
 
 def covers(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -64,39 +47,13 @@ def covers(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The built kernel, or None (logged once) where it cannot be built or run here."""
-    if not cpu_has_bf16_dot():
-        return None
-    compiler = cxx()
-    if compiler is None:
-        log.warning("attention: no C++ compiler; bfloat16 decode uses the inductor kernel")
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.CalledProcessError) as err:
-        log.warning("attention: the AVX512-BF16 decode kernel did not build (%s); "
-                    "bfloat16 decode uses the inductor kernel", err)  # fmt: skip
-        return None
-    fn = lib.conveyor_paged_decode_bf16
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+    """The built kernel, or None where it cannot be built or run here."""
+    lib = load_avx512_bf16(SOURCE, "bfloat16 decode uses the inductor kernel")
+    if lib is not None:
+        fn = lib.conveyor_paged_decode_bf16
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
     return lib
-
-
-def _build(cxx: str) -> Path:
-    source = SOURCE.read_bytes()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
-    target = cache_dir("kernels") / f"paged_decode_bf16-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # built beside the target and renamed: workers starting together never load half a file
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            subprocess.run([cxx, *FLAGS, "-o", str(built), str(SOURCE)], check=True,
-                           capture_output=True, text=True)  # fmt: skip
-            os.replace(built, target)
-    return target
 
 
 def decode_attention(

@@ -13,6 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.layers import (
+    COMPILED,
+    EAGER,
+    NATIVE,
     Linear,
     PackedLinear,
     PrepackedLinear,
@@ -22,7 +25,7 @@ from engine.models.layers import (
     apply_rope,
     compiled_apply_rope,
 )
-from kernels import AttentionBackend, AttentionMetadata
+from kernels import AttentionBackend, AttentionMetadata, native_layers
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -53,7 +56,7 @@ class Attention(nn.Module):
         )
         o_bias = bool(getattr(config, "attention_bias", False))  # Qwen2 biases q/k/v only
         self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
-        self.compiled = False  # rope as one fused loop (see `compile_elementwise`)
+        self.impl = EAGER  # how rope runs (see `DecoderForCausalLM.fuse_elementwise`)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -73,7 +76,10 @@ class Attention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = (compiled_apply_rope() if self.compiled else apply_rope)(rope, q, k)
+        if self.impl == NATIVE:
+            q, k = native_layers.rope(*rope, q, k)
+        else:
+            q, k = (compiled_apply_rope() if self.impl == COMPILED else apply_rope)(rope, q, k)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
@@ -85,8 +91,11 @@ class MLP(nn.Module):
         hidden, inter = config.hidden_size, config.intermediate_size
         self.gate_up_proj = PackedLinear(hidden, {"gate": inter, "up": inter}, bias=bias)
         self.down_proj = Linear(inter, hidden, bias=bias)
+        self.impl = EAGER  # how SiLU(gate) * up runs (see `DecoderForCausalLM.fuse_elementwise`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl == NATIVE:
+            return self.down_proj(native_layers.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj.forward_shards(x)
         return self.down_proj(F.silu(gate) * up)
 
@@ -99,9 +108,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, rope, x, kv_cache, meta, backend):
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope, x, residual, kv_cache, meta, backend):
+        """(this layer's MLP output, the residual stream before it): each layer adds the
+        previous one's output to the stream in its first norm, the model's last norm adds the
+        last layer's. On the first layer `residual` is None and x is the stream."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(rope, h, kv_cache, meta, backend)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -115,11 +132,11 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta, backend):
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.lookup(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(rope, x, kv_cache, meta, backend)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, kv_cache, meta, backend)
+        return self.norm(x, residual)[0]
 
 
 class DecoderForCausalLM(nn.Module):
@@ -155,11 +172,22 @@ class DecoderForCausalLM(nn.Module):
             return self.packed_lm_head(hidden)
         return self.lm_head(hidden)
 
-    def compile_elementwise(self) -> None:
-        """Norms and rope as fused loops compiled by inductor (where it builds CPU code)."""
+    def fuse_elementwise(self) -> None:
+        """Norms, rope and the activation as fused loops, on a CPU where inductor builds
+        code: in bfloat16 with AVX512-BF16, `kernels.native_layers`; else norms and rope
+        compiled by inductor (its activation was no faster than eager's)."""
+        weight = self.model.embed_tokens.weight
+        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
+        native = (
+            weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu"
+            and native_layers.covers(weight.shape[1], attn.head_dim, mlp.down_proj.in_features)
+        )
         for module in self.modules():
             if isinstance(module, RMSNorm | Attention):
-                module.compiled = True
+                module.impl = NATIVE if native else COMPILED
+            elif isinstance(module, MLP) and native:
+                module.impl = NATIVE
 
     def prepack(self) -> None:
         """Once the weights are loaded: every projection and the output layer in oneDNN's

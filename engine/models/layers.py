@@ -10,6 +10,12 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import native_layers
+
+# How a module runs its elementwise steps (norms, rope, activation): torch's eager ops, fused
+# loops compiled by inductor, or `kernels.native_layers` (bfloat16, AVX512-BF16 CPUs).
+EAGER, COMPILED, NATIVE = "eager", "compiled", "native"
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # normalise in float32, scale in the model's dtype, as the reference implementation does
@@ -17,8 +23,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed.to(x.dtype)
 
 
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual add and the next norm."""
+    total = x + residual
+    return rms_norm(total, weight, eps), total
+
+
 @functools.cache
-def compiled_rms_norm() -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
+def compiled_rms_norm() -> Callable[..., torch.Tensor]:
     """`rms_norm` as one fused loop (inductor): on the CPU eager bfloat16 makes four passes
     and converts twice, 20x slower at 4,096 tokens. One graph for every token count."""
     compiled = torch.compile(rms_norm, dynamic=True)
@@ -26,6 +40,18 @@ def compiled_rms_norm() -> Callable[[torch.Tensor, torch.Tensor, float], torch.T
     def run(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         any_token_count(x)
         return compiled(x, weight, eps)
+
+    return run
+
+
+@functools.cache
+def compiled_add_rms_norm() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """`add_rms_norm` as one fused loop (inductor)."""
+    compiled = torch.compile(add_rms_norm, dynamic=True)
+
+    def run(x, residual, weight, eps):
+        any_token_count(x, residual)
+        return compiled(x, residual, weight, eps)
 
     return run
 
@@ -44,11 +70,21 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.compiled = False  # set where inductor builds CPU code (the compiled attention's)
+        self.impl = EAGER  # see `DecoderForCausalLM.fuse_elementwise`
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        norm = compiled_rms_norm() if self.compiled else rms_norm
-        return norm(x, self.weight, self.eps)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The norm of x; with `residual`, (the norm of x + residual, x + residual). The
+        native kernel writes the sum into `residual` itself and returns it."""
+        if self.impl == NATIVE:
+            out = native_layers.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
+        if residual is None:
+            norm = compiled_rms_norm() if self.impl == COMPILED else rms_norm
+            return norm(x, self.weight, self.eps)
+        add_norm = compiled_add_rms_norm() if self.impl == COMPILED else add_rms_norm
+        return add_norm(x, residual, self.weight, self.eps)
 
 
 class Linear(nn.Linear):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, dtypes
+from kernels import cpu_build
 from tests.hf_reference import ARCHS, random_prompts
 
 # bfloat16 keeps 8 bits of mantissa (a logit of ~10 is known to ~0.04), and the engine sums in
@@ -49,29 +50,27 @@ def test_bfloat16_logprobs_and_greedy_agree_with_transformers(checkpoints, hf_bf
     check_against_transformers(checkpoints[arch], hf_bf16(checkpoints[arch]), arch)
 
 
-def test_bfloat16_through_our_attention_kernel_agrees_with_transformers(
-    tmp_path, hf_bf16, monkeypatch
-):
-    """The tiny models' head sizes (16, 32) are not the kernel's; this one's (64) is, so its
-    decode and prefill attention run through `native_paged`."""
+def test_bfloat16_through_our_kernels_agrees_with_transformers(tmp_path, hf_bf16, monkeypatch):
+    """The tiny models' head sizes (16, 32) are not the attention kernel's; this one's (64) is,
+    so its decode and prefill attention run through `native_paged`, and its norms, rope and
+    activation through `native_layers`, which round where transformers' eager modules do."""
     from conveyor.demo_model import write_tiny_model
-    from kernels import native_paged
+    from kernels import native_layers, native_paged
 
-    if not native_paged.cpu_has_bf16_dot():
-        pytest.skip("this CPU has no AVX512-BF16, so the kernel does not run")
+    if not cpu_build.cpu_has_avx512_bf16():
+        pytest.skip("this CPU has no AVX512-BF16, so the kernels do not run")
     path = write_tiny_model(
         tmp_path / "llama64", "llama", hidden_size=128, num_attention_heads=2,
         num_key_value_heads=1,
     )  # fmt: skip
-    calls = []
-    kernel = native_paged.decode_attention
-    monkeypatch.setattr(
-        native_paged, "decode_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k)
-    )
-    # wider than the tiny models (hidden 128), so larger logits and coarser bfloat16 steps: the
-    # same check through the inductor decode and torch's attention measures 0.046 here
-    check_against_transformers(path, hf_bf16(path), "llama, head size 64", tolerance=0.08)
-    assert calls
+    calls = set()
+    for module, name in ((native_paged, "decode_attention"), (native_layers, "rms_norm"),
+                         (native_layers, "rope"), (native_layers, "silu_mul")):  # fmt: skip
+        kernel = getattr(module, name)
+        counted = lambda *a, k=kernel, n=name, **kw: calls.add(n) or k(*a, **kw)  # noqa: E731
+        monkeypatch.setattr(module, name, counted)
+    check_against_transformers(path, hf_bf16(path), "llama, head size 64")
+    assert calls == {"decode_attention", "rms_norm", "rope", "silu_mul"}
 
 
 def check_against_transformers(

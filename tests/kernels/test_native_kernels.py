@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import get_attention_backend, native_paged
+from kernels import cpu_build, get_attention_backend, native_paged
 from kernels import torch_paged as ref
 from tests.kernels.test_kernels import paged_setup
 
 pytestmark = pytest.mark.skipif(
-    not native_paged.cpu_has_bf16_dot(), reason="this CPU has no AVX512-BF16"
+    not cpu_build.cpu_has_avx512_bf16(), reason="this CPU has no AVX512-BF16"
 )
 
 
@@ -105,7 +105,9 @@ def test_compiled_backend_decodes_bf16_through_the_native_kernel(monkeypatch) ->
 
 def test_kernel_is_built_once_and_kept(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    built = native_paged._build("g++")
+    flags = cpu_build.AVX512_BF16_FLAGS
+    built = cpu_build.build_library("g++", native_paged.SOURCE, flags)
     assert built.parent == tmp_path / "conveyor" / "kernels" and built.exists()
     stamp = built.stat().st_mtime_ns
-    assert native_paged._build("g++") == built and built.stat().st_mtime_ns == stamp
+    assert cpu_build.build_library("g++", native_paged.SOURCE, flags) == built
+    assert built.stat().st_mtime_ns == stamp

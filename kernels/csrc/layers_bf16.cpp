@@ -1,0 +1,145 @@
+// The decoder layer's elementwise steps in bfloat16 on x86 CPUs with AVX512-BF16: RMSNorm (with
+// the residual add before it), rope, and SiLU(gate) * up. Each is one pass over its rows,
+// called once per layer where eager torch makes several passes and inductor's compiled
+// functions cost tens of microseconds a call to enter.
+//
+// Results are rounded to bfloat16 where the reference implementation (transformers' eager
+// modules, and this engine's eager path) rounds them: the residual sum; the normalised row
+// before the weight, and the product; x * cos and rotate(x) * sin, and their sum; SiLU(gate),
+// and its product with up. Everything between is float32.
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> float32
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+inline __m256i to_bf16(__m512 x) {  // round to nearest even, as torch does (NaN stays NaN)
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+}
+
+inline __m512 round_bf16(__m512 x) {  // x rounded to bfloat16 and back
+  const __m256i h = to_bf16(x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline void store16(uint16_t* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(x));
+}
+
+// e^x for 16 floats: 2^n * 2^f with f in [-0.5, 0.5], 2^f by its Taylor series to degree 7
+// (relative error ~1e-7, as expf); very negative x gives 0, very large x gives inf.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.f)), _mm512_set1_ps(89.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5252733804059841e-05f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381610e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Rows are split over threads only when there is enough work for each to pay for waking it.
+constexpr int64_t kMinParallelElements = 1 << 15;
+
+inline int threads_for(int64_t elements, int threads) {
+  return elements >= kMinParallelElements ? threads : 1;
+}
+
+}  // namespace
+
+extern "C" {
+
+// out[r] = weight * round(s * rsqrt(mean(s^2) + eps)), s = x[r] (+ residual[r], rounded; then
+// written back to residual[r]). x rows are `x_stride` elements apart; residual and out are
+// [rows, dim]; dim a multiple of 16. residual may be null.
+void conveyor_rms_norm_bf16(const uint16_t* x, int64_t x_stride, uint16_t* residual,
+                            const uint16_t* weight, uint16_t* out, int64_t rows, int64_t dim,
+                            float eps, int threads) {
+#pragma omp parallel for num_threads(threads_for(rows * dim, threads))
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* xr = x + r * x_stride;
+    uint16_t* res = residual == nullptr ? nullptr : residual + r * dim;
+    const uint16_t* src = res == nullptr ? xr : res;  // the row that is normalised
+    __m512 squares = _mm512_setzero_ps();
+    for (int64_t c = 0; c < dim; c += 16) {
+      __m512 s = load16(xr + c);
+      if (res != nullptr) {
+        s = round_bf16(_mm512_add_ps(s, load16(res + c)));
+        store16(res + c, s);
+      }
+      squares = _mm512_fmadd_ps(s, s, squares);
+    }
+    const float mean = _mm512_reduce_add_ps(squares) / static_cast<float>(dim);
+    const __m512 scale = _mm512_set1_ps(1.f / std::sqrt(mean + eps));
+    uint16_t* o = out + r * dim;
+    for (int64_t c = 0; c < dim; c += 16) {
+      const __m512 normed = round_bf16(_mm512_mul_ps(load16(src + c), scale));
+      store16(o + c, _mm512_mul_ps(load16(weight + c), normed));
+    }
+  }
+}
+
+// out[r, i] = round(round(silu(gate[r, i])) * up[r, i]) with gate the first `inter` columns of
+// each input row and up the next `inter`; input rows `in_stride` apart, out [rows, inter];
+// inter a multiple of 16.
+void conveyor_silu_mul_bf16(const uint16_t* gate_up, int64_t in_stride, uint16_t* out,
+                            int64_t rows, int64_t inter, int threads) {
+  const __m512 one = _mm512_set1_ps(1.f);
+#pragma omp parallel for num_threads(threads_for(rows * inter, threads))
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* g = gate_up + r * in_stride;
+    const uint16_t* u = g + inter;
+    uint16_t* o = out + r * inter;
+    for (int64_t c = 0; c < inter; c += 16) {
+      const __m512 x = load16(g + c);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+      const __m512 silu = round_bf16(_mm512_div_ps(x, _mm512_add_ps(one, e)));
+      store16(o + c, _mm512_mul_ps(silu, load16(u + c)));
+    }
+  }
+}
+
+// Rope in the half-rotation layout: out = round(round(x * cos) + round(rotate(x) * sin)) with
+// rotate(x) = (-x[half:], x[:half]), for every head of q ([rows, q_heads, dim] at row stride
+// `q_stride`) into q_out ([rows, q_heads, dim]) and of k into k_out likewise. cos and sin are
+// [rows, dim]; dim a multiple of 32.
+void conveyor_rope_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
+                        const uint16_t* cos, const uint16_t* sin, uint16_t* q_out,
+                        uint16_t* k_out, int64_t rows, int64_t q_heads, int64_t k_heads,
+                        int64_t dim, int threads) {
+  const int64_t half = dim / 2;
+#pragma omp parallel for num_threads(threads_for(rows * (q_heads + k_heads) * dim, threads))
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* cr = cos + r * dim;
+    const uint16_t* sr = sin + r * dim;
+    for (int64_t h = 0; h < q_heads + k_heads; ++h) {
+      const bool is_q = h < q_heads;
+      const int64_t head = is_q ? h : h - q_heads;
+      const uint16_t* x = (is_q ? q + r * q_stride : k + r * k_stride) + head * dim;
+      uint16_t* o = (is_q ? q_out + r * q_heads * dim : k_out + r * k_heads * dim) + head * dim;
+      for (int64_t c = 0; c < half; c += 16) {
+        const __m512 lo = load16(x + c), hi = load16(x + half + c);
+        const __m512 neg_hi = _mm512_sub_ps(_mm512_setzero_ps(), hi);
+        const __m512 lo_cos = round_bf16(_mm512_mul_ps(lo, load16(cr + c)));
+        const __m512 hi_cos = round_bf16(_mm512_mul_ps(hi, load16(cr + half + c)));
+        const __m512 lo_sin = round_bf16(_mm512_mul_ps(neg_hi, load16(sr + c)));
+        const __m512 hi_sin = round_bf16(_mm512_mul_ps(lo, load16(sr + half + c)));
+        store16(o + c, _mm512_add_ps(lo_cos, lo_sin));
+        store16(o + half + c, _mm512_add_ps(hi_cos, hi_sin));
+      }
+    }
+  }
+}
+}

@@ -1,0 +1,76 @@
+"""The AVX512-BF16 norm, rope and activation kernels (`kernels.native_layers`) give the eager
+bfloat16 functions' results: bit for bit, bar the order of the norm's float32 sum."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.models.layers import add_rms_norm, apply_rope, rms_norm
+from kernels import cpu_build, native_layers
+
+pytestmark = pytest.mark.skipif(
+    not cpu_build.cpu_has_avx512_bf16(), reason="this CPU has no AVX512-BF16"
+)
+BF16 = torch.bfloat16
+TOKENS = [1, 3, 96, 4096]  # 4,096 rows split over threads
+
+
+def randn(*shape, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(BF16)
+
+
+def differ(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Share of elements that differ."""
+    return (a != b).float().mean().item()
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_rms_norm_and_residual_add(tokens) -> None:
+    x, residual = randn(tokens, 512, scale=4, seed=1), randn(tokens, 512, seed=2)
+    weight = randn(512, seed=3)
+    assert differ(native_layers.rms_norm(x, weight, 1e-6), rms_norm(x, weight, 1e-6)) < 1e-4
+    want, want_sum = add_rms_norm(x, residual, weight, 1e-6)
+    stream = residual.clone()
+    got = native_layers.rms_norm(x, weight, 1e-6, stream)
+    assert torch.equal(stream, want_sum)  # the sum, written into the residual stream
+    assert differ(got, want) < 1e-4
+
+
+def test_rms_norm_of_strided_rows() -> None:
+    """Qwen3's per-head norm takes q as a view into the packed q/k/v output."""
+    qkv = randn(5, 3 * 4 * 32, seed=4)
+    q = qkv[:, : 4 * 32].view(5, 4, 32)
+    weight = randn(32, seed=5)
+    got = native_layers.rms_norm(q, weight, 1e-6)
+    assert got.shape == q.shape
+    assert differ(got, rms_norm(q, weight, 1e-6)) < 1e-3
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_silu_mul(tokens) -> None:
+    gate_up = randn(tokens, 2 * 1408, scale=3, seed=6)
+    gate, up = gate_up.split(1408, dim=-1)
+    assert torch.equal(native_layers.silu_mul(gate_up), F.silu(gate) * up)
+    extreme = torch.tensor([[-200.0, -30, 0, 30, 200, float("inf")] * 16 + [1.0] * 96]).to(BF16)
+    gate, up = extreme.split(96, dim=-1)
+    assert torch.equal(native_layers.silu_mul(extreme), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope(tokens, head_dim) -> None:
+    heads, kv_heads = 8, 2
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, scale=2, seed=7)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    positions = torch.randint(0, 4000, (tokens,), generator=torch.Generator().manual_seed(8))
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    angles = positions[:, None].float() * inv_freq
+    emb = torch.cat((angles, angles), dim=-1)
+    rope = emb.cos()[:, None].to(BF16), emb.sin()[:, None].to(BF16)
+    want_q, want_k = apply_rope(rope, q, k)
+    got_q, got_k = native_layers.rope(*rope, q, k)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
