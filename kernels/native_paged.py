@@ -3,10 +3,12 @@
 The kernel reads each sequence's K/V blocks in place through the block table and takes Q.K
 with the CPU's bfloat16 dot-product instruction: at a decode step of 96 sequences with contexts
 of 32-400 it runs 2-3x faster than the inductor-compiled decode (`compiled_paged`), near the
-machine's copy bandwidth, with no padding to the longest context. Prefill runs through it too,
-a query row at a time. It covers blocks of 16 tokens, head sizes 64 and 128 and up to 16 query
-heads per KV head; the compiled backend sends everything else to `compiled_paged` (decode) and
-`torch_paged` (prefill).
+machine's copy bandwidth, with no padding to the longest context. Prefill has its own kernel,
+which reads each K/V block once for 16 query vectors (rows times the query heads of a KV head)
+and takes their scores from a transposed K block: 1.9x the decode kernel run a row at a time,
+at a step of 4,096 prompt tokens. Both cover blocks of 16 tokens, head sizes 64 and 128 and up
+to 16 query heads per KV head; the compiled backend sends everything else to `compiled_paged`
+(decode) and `torch_paged` (prefill).
 
 It is built with the C++ compiler on first use (under a second) into
 `~/.cache/conveyor/kernels/` (or `$XDG_CACHE_HOME/conveyor/kernels/`), named by a hash of its
@@ -24,7 +26,7 @@ import torch
 
 from kernels.cpu_build import load_avx512_bf16
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_bf16.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention_bf16.cpp"
 BLOCK_SIZE = 16
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 16
@@ -53,6 +55,9 @@ def _library() -> ctypes.CDLL | None:
         fn = lib.conveyor_paged_decode_bf16
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+        fn = lib.conveyor_paged_prefill_bf16
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
     return lib
 
 
@@ -96,14 +101,24 @@ def prefill_attention(
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same inputs and results as `torch_paged.prefill_attention`, this step's K/V already in
-    the cache: each query row runs as a decode over its sequence's blocks up to its own
-    position. At prompts of 64-400 tokens that is 1.7-2.4x faster than torch's fused CPU
-    attention (which also rounds the probabilities to bfloat16 before P.V; this does not)."""
-    starts = torch.tensor(query_start)
-    counts = starts.diff()
-    seq = torch.repeat_interleave(torch.arange(len(context_lens)), counts)
-    first = torch.tensor(context_lens) - counts  # cache position of each chunk's first query
-    rows = torch.arange(query.shape[0])
-    lens = (first - starts[:-1])[seq] + rows + 1
-    tables = block_tables.index_select(0, seq.to(block_tables.device))
-    return decode_attention(query, k_cache, v_cache, tables, lens, scale, return_lse)
+    the cache: each chunk's queries attend causally to their sequence's blocks, 16 query
+    vectors (rows times the query heads of a KV head) at a time."""
+    lib = _library()
+    assert lib is not None, "check covers() first"
+    query = query.contiguous()
+    out = torch.empty_like(query)
+    lse = torch.empty(query.shape[:2], dtype=torch.float32) if return_lse else None
+    if query.shape[0]:
+        tables = block_tables.to(torch.int32).contiguous()
+        starts = torch.tensor(query_start, dtype=torch.int32)
+        lens = torch.tensor(context_lens, dtype=torch.int32)
+        status = lib.conveyor_paged_prefill_bf16(
+            query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+            starts.data_ptr(), lens.data_ptr(), out.data_ptr(),
+            None if lse is None else lse.data_ptr(), len(context_lens), query.shape[1],
+            k_cache.shape[1], query.shape[2], tables.shape[1], float(scale),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"paged_prefill_bf16 does not cover shape {tuple(query.shape)}")
+    return (out, lse) if return_lse else out

@@ -52,12 +52,14 @@ def test_native_decode_matches_dense(lens, heads, kv_heads, head_dim) -> None:
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 4, 64), (4, 4, 128)])
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim", [(8, 4, 64), (4, 4, 128), (6, 2, 64), (16, 1, 64)]
+)
 def test_native_prefill_matches_the_reference(heads, kv_heads, head_dim) -> None:
-    """Chunks with nothing cached before them and chunks after a cached context, one query
-    row each as a decode up to its own position."""
-    lens = [40, 17, 300, 1, 16]  # tokens in the cache after this step's chunk
-    chunks = [40, 5, 120, 1, 16]  # this step's queries of each (the rest was cached)
+    """Chunks with nothing cached before them and chunks after a cached context, of 1 to 120
+    rows: whole tiles of query vectors and partial ones, diagonal blocks partly masked."""
+    lens = [40, 17, 300, 1, 16, 29]  # tokens in the cache after this step's chunk
+    chunks = [40, 5, 120, 1, 16, 13]  # this step's queries of each (the rest was cached)
     k_cache, v_cache, tables, g = paged_setup(lens, 16, kv_heads, head_dim, seed=3,
                                               dtype=torch.bfloat16)  # fmt: skip
     starts = [0]
@@ -94,13 +96,14 @@ def test_compiled_backend_decodes_bf16_through_the_native_kernel(monkeypatch) ->
     backend = get_attention_backend("compiled", torch.device("cpu"))
     query, k_cache, v_cache, tables, context = setup([3, 40], 8, 4, 64)
     calls = []
-    monkeypatch.setattr(native_paged, "decode_attention", lambda *a: calls.append(a) or a[0])
+    for name in ("decode_attention", "prefill_attention"):
+        monkeypatch.setattr(native_paged, name, lambda *a, n=name: calls.append(n) or a[0])
     backend.decode_attention(query, k_cache, v_cache, tables, context, 0.1)
-    assert len(calls) == 1
+    assert calls == ["decode_attention"]
     backend.decode_attention(query.float(), k_cache.float(), v_cache.float(), tables, context, 0.1)
-    assert len(calls) == 1  # float32 went to the inductor kernel
+    assert calls == ["decode_attention"]  # float32 went to the inductor kernel
     backend.prefill_attention(query, k_cache, v_cache, tables[:1], [0, 2], [3], 0.1)
-    assert len(calls) == 2  # bf16 prefill: the same kernel, a row per query
+    assert calls == ["decode_attention", "prefill_attention"]
 
 
 def test_kernel_is_built_once_and_kept(tmp_path, monkeypatch) -> None:

@@ -1,0 +1,335 @@
+// Paged attention for bfloat16 on x86 CPUs with AVX512-BF16, K/V blocks read in place through
+// the block table: the decode (one query token per sequence) and the prefill (`prefill` below).
+//
+// Decode: work is split over (sequence, KV head) pairs, and the query heads that share a KV head are
+// computed together, so each K/V row is read once per step. Q.K uses the bfloat16 dot-product
+// instruction (exact products, float32 sums); the softmax is online, per block, in float32;
+// P.V accumulates in float32. Output is rounded to bfloat16 once, at the end.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 16;  // tokens per KV block
+constexpr int64_t kMaxGroup = 16;  // query heads per KV head
+
+// e^x for 16 floats: 2^n * 2^f with f in [-0.5, 0.5], 2^f by its Taylor series to degree 7
+// (relative error ~1e-7, as expf); very negative x (and -inf) gives 0.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5252733804059841e-05f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381610e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> float32
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// Lane j of the result is the sum of the 16 lanes of a[j]: a transposing tree of adds, ~3
+// instructions a vector where a horizontal sum of each takes ~9.
+inline __m512 sum_each16(__m512 a[16]) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: partial sums of a[2i] and a[2i+1]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: partial sums of a[4i .. 4i+3]
+    const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
+                                 _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
+                                 _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v, w, 0x88), _mm512_shuffle_f32x4(v, w, 0xDD));
+}
+
+inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+template <int64_t D>
+void decode(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_cache,
+            const int32_t* tables, const int32_t* context_lens, uint16_t* out, float* lse,
+            int64_t batch, int64_t heads, int64_t kv_heads, int64_t table_width, float scale,
+            int threads) {
+  constexpr int64_t C = D / 32, V = D / 16;  // 32 bf16 per dot-product chunk, 16 floats per row chunk
+  const int64_t group = heads / kv_heads;
+  const int64_t block_stride = kv_heads * kBlock * D;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t task = 0; task < batch * kv_heads; ++task) {
+    const int64_t b = task / kv_heads, kvh = task % kv_heads;
+    const int64_t context = context_lens[b];
+    __m512bh q[kMaxGroup][C];
+    __m512 acc[kMaxGroup][V];
+    float top[kMaxGroup], total[kMaxGroup];
+    alignas(64) float probs[kMaxGroup][kBlock];
+    for (int64_t g = 0; g < group; ++g) {
+      const uint16_t* qh = query + (b * heads + kvh * group + g) * D;
+      for (int64_t c = 0; c < C; ++c) q[g][c] = (__m512bh)_mm512_loadu_si512(qh + c * 32);
+      for (int64_t c = 0; c < V; ++c) acc[g][c] = _mm512_setzero_ps();
+      top[g] = -std::numeric_limits<float>::infinity();
+      total[g] = 0.f;
+    }
+    const int64_t blocks = (context + kBlock - 1) / kBlock;
+    for (int64_t i = 0; i < blocks; ++i) {
+      const int64_t n = (i + 1 < blocks) ? kBlock : context - i * kBlock;
+      const int64_t base = tables[b * table_width + i] * block_stride + kvh * kBlock * D;
+      const uint16_t* k = k_cache + base;
+      const uint16_t* v = v_cache + base;
+      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+      if (i + 1 < blocks) {  // the next block's rows sit elsewhere in the pool: ask early
+        const int64_t next = tables[b * table_width + i + 1] * block_stride + kvh * kBlock * D;
+        for (int64_t line = 0; line < kBlock * D * 2; line += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(k_cache + next) + line, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(v_cache + next) + line, _MM_HINT_T0);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 dots[kBlock];
+        for (int64_t j = 0; j < kBlock; ++j) {
+          __m512 a = _mm512_setzero_ps();
+          if (j < n) {
+            for (int64_t c = 0; c < C; ++c)
+              a = _mm512_dpbf16_ps(a, q[g][c], (__m512bh)_mm512_loadu_si512(k + j * D + c * 32));
+          }
+          dots[j] = a;
+        }
+        const __m512 scores = _mm512_mask_mul_ps(ninf, valid, sum_each16(dots), vscale);
+        const float m = std::max(top[g], _mm512_reduce_max_ps(scores));
+        const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m))));
+        const float rescale = std::exp(top[g] - m);  // 0 on the first block (top is -inf)
+        total[g] = total[g] * rescale + _mm512_reduce_add_ps(p);
+        const __m512 r = _mm512_set1_ps(rescale);
+        for (int64_t c = 0; c < V; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], r);
+        _mm512_store_ps(probs[g], p);
+        top[g] = m;
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        __m512 row[V];
+        for (int64_t c = 0; c < V; ++c) row[c] = load16(v + j * D + c * 16);
+        for (int64_t g = 0; g < group; ++g) {
+          const __m512 pj = _mm512_set1_ps(probs[g][j]);
+          for (int64_t c = 0; c < V; ++c) acc[g][c] = _mm512_fmadd_ps(pj, row[c], acc[g][c]);
+        }
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t h = kvh * group + g;
+      alignas(64) float o[D];
+      const __m512 inv = _mm512_set1_ps(1.f / total[g]);
+      for (int64_t c = 0; c < V; ++c) _mm512_store_ps(o + c * 16, _mm512_mul_ps(acc[g][c], inv));
+      for (int64_t d = 0; d < D; ++d) out[(b * heads + h) * D + d] = to_bf16(o[d]);
+      if (lse != nullptr) lse[b * heads + h] = top[g] + std::log(total[g]);
+    }
+  }
+}
+
+
+// A 16x16 transpose of 32-bit lanes: row j of `in` becomes lane j of every output vector.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
+  }
+}
+
+constexpr int64_t kTile = 16;  // query vectors (rows x heads of one KV head) computed together
+
+// Prefill: each chunk's query rows attend causally to their sequence's cache, written already
+// for this step. Work is split over (sequence, KV head, tile of rows); a tile holds up to 16
+// query vectors (rows times the query heads of the KV head), so each K/V block is read and
+// converted once for all of them. Each K block is transposed so that lane j holds key j: a
+// query's 16 scores then come straight out of D/2 dot-product steps, with no sum across lanes.
+// The softmax and P.V are float32, as in the decode.
+template <int64_t D>
+void prefill(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_cache,
+             const int32_t* tables, const int32_t* query_start, const int32_t* context_lens,
+             uint16_t* out, float* lse, int64_t seqs, int64_t heads, int64_t kv_heads,
+             int64_t table_width, float scale, int threads) {
+  constexpr int64_t P = D / 2, V = D / 16;  // dword pairs per row, float vectors per row
+  const int64_t group = heads / kv_heads;
+  const int64_t rows_per_tile = std::max<int64_t>(1, kTile / group);
+  const int64_t block_stride = kv_heads * kBlock * D;
+  std::vector<std::pair<int32_t, int32_t>> tiles;  // (sequence, first row of the chunk)
+  for (int64_t s = 0; s < seqs; ++s)
+    for (int64_t r = 0; r < query_start[s + 1] - query_start[s]; r += rows_per_tile)
+      tiles.emplace_back(static_cast<int32_t>(s), static_cast<int32_t>(r));
+  const int64_t tasks = static_cast<int64_t>(tiles.size()) * kv_heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int64_t s = tiles[task / kv_heads].first, r0 = tiles[task / kv_heads].second;
+    const int64_t kvh = task % kv_heads;
+    const int64_t n = query_start[s + 1] - query_start[s];
+    const int64_t first = context_lens[s] - n;  // cache position of the chunk's first query
+    const int64_t rows = std::min(rows_per_tile, n - r0);
+    const int64_t count = rows * group;  // query vectors in this tile, <= 16
+    const int32_t* qdw[kTile];
+    int64_t pos[kTile];
+    alignas(64) float acc[kTile][D];
+    alignas(64) float probs[kTile][kBlock];
+    float top[kTile], total[kTile];
+    const uint32_t zero[P] = {};
+    for (int64_t t = 0; t < kTile; ++t) {
+      const int64_t row = r0 + t / group, h = kvh * group + t % group;
+      const bool real = t < count;
+      qdw[t] = real ? reinterpret_cast<const int32_t*>(
+                          query + ((query_start[s] + row) * heads + h) * D)
+                    : reinterpret_cast<const int32_t*>(zero);
+      pos[t] = real ? first + row : -1;
+      top[t] = -std::numeric_limits<float>::infinity();
+      total[t] = 0.f;
+      for (int64_t d = 0; d < D; ++d) acc[t][d] = 0.f;
+    }
+    const int64_t last = first + r0 + rows - 1;  // the tile's last position
+    const int64_t blocks = last / kBlock + 1;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < blocks; ++i) {
+      const int64_t base = tables[s * table_width + i] * block_stride + kvh * kBlock * D;
+      const uint16_t* k = k_cache + base;
+      const uint16_t* v = v_cache + base;
+      __m512i kt[P];  // kt[p] lane j: elements 2p and 2p+1 of key j
+      for (int64_t c = 0; c < P; c += 16) {
+        __m512i block[16];
+        for (int64_t j = 0; j < kBlock; ++j)
+          block[j] = _mm512_loadu_si512(k + j * D + 2 * c);
+        transpose16(block);
+        for (int64_t j = 0; j < 16; ++j) kt[c + j] = block[j];
+      }
+      __m512 scores[kTile];
+#pragma GCC unroll 16
+      for (int64_t t = 0; t < kTile; ++t) scores[t] = _mm512_setzero_ps();
+      for (int64_t p = 0; p < P; ++p) {
+#pragma GCC unroll 16
+        for (int64_t t = 0; t < kTile; ++t)
+          scores[t] = _mm512_dpbf16_ps(scores[t], (__m512bh)_mm512_set1_epi32(qdw[t][p]),
+                                       (__m512bh)kt[p]);
+      }
+      alignas(64) float vf[kBlock][D];  // this block's V rows in float32
+      for (int64_t j = 0; j < kBlock; ++j)
+        for (int64_t c = 0; c < V; ++c) _mm512_store_ps(vf[j] + c * 16, load16(v + j * D + c * 16));
+      for (int64_t t = 0; t < count; ++t) {
+        const int64_t visible = pos[t] - i * kBlock + 1;  // keys of this block it sees
+        if (visible <= 0) continue;
+        const int64_t nk = std::min(visible, kBlock);
+        const __mmask16 valid = static_cast<__mmask16>((1u << nk) - 1);
+        const __m512 sc = _mm512_mask_mul_ps(ninf, valid, scores[t], vscale);
+        const float m = std::max(top[t], _mm512_reduce_max_ps(sc));
+        const __m512 pr = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m))));
+        const float rescale = std::exp(top[t] - m);
+        total[t] = total[t] * rescale + _mm512_reduce_add_ps(pr);
+        top[t] = m;
+        _mm512_store_ps(probs[t], pr);
+        __m512 o[V];
+        const __m512 rs = _mm512_set1_ps(rescale);
+        for (int64_t c = 0; c < V; ++c) o[c] = _mm512_mul_ps(_mm512_load_ps(acc[t] + c * 16), rs);
+        for (int64_t j = 0; j < nk; ++j) {
+          const __m512 pj = _mm512_set1_ps(probs[t][j]);
+          for (int64_t c = 0; c < V; ++c)
+            o[c] = _mm512_fmadd_ps(pj, _mm512_load_ps(vf[j] + c * 16), o[c]);
+        }
+        for (int64_t c = 0; c < V; ++c) _mm512_store_ps(acc[t] + c * 16, o[c]);
+      }
+    }
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t row = query_start[s] + r0 + t / group, h = kvh * group + t % group;
+      uint16_t* o = out + (row * heads + h) * D;
+      const float inv = 1.f / total[t];
+      for (int64_t d = 0; d < D; ++d) o[d] = to_bf16(acc[t][d] * inv);
+      if (lse != nullptr) lse[row * heads + h] = top[t] + std::log(total[t]);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0, or -1 for a shape this kernel does not cover (the caller checks first).
+// query/out [batch, heads, head_dim]; caches [blocks, kv_heads, 16, head_dim]; tables
+// [batch, table_width] int32; context_lens [batch] int32, each >= 1; lse [batch, heads] or null;
+// threads: the caller's thread count (torch's), not OpenMP's default for this thread.
+int conveyor_paged_decode_bf16(const uint16_t* query, const uint16_t* k_cache,
+                               const uint16_t* v_cache, const int32_t* tables,
+                               const int32_t* context_lens, uint16_t* out, float* lse,
+                               int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                               int64_t table_width, float scale, int threads) {
+  if (kv_heads < 1 || heads % kv_heads != 0 || heads / kv_heads > kMaxGroup) return -1;
+  if (head_dim == 64) {
+    decode<64>(query, k_cache, v_cache, tables, context_lens, out, lse, batch, heads, kv_heads,
+               table_width, scale, threads);
+  } else if (head_dim == 128) {
+    decode<128>(query, k_cache, v_cache, tables, context_lens, out, lse, batch, heads, kv_heads,
+                table_width, scale, threads);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+// Returns 0, or -1 for a shape this kernel does not cover. query/out [T, heads, head_dim], the
+// chunks back to back; query_start [seqs + 1] int32; context_lens [seqs] int32: tokens in the
+// cache after this step's chunk; tables [seqs, table_width]; lse [T, heads] or null.
+int conveyor_paged_prefill_bf16(const uint16_t* query, const uint16_t* k_cache,
+                                const uint16_t* v_cache, const int32_t* tables,
+                                const int32_t* query_start, const int32_t* context_lens,
+                                uint16_t* out, float* lse, int64_t seqs, int64_t heads,
+                                int64_t kv_heads, int64_t head_dim, int64_t table_width,
+                                float scale, int threads) {
+  if (kv_heads < 1 || heads % kv_heads != 0 || heads / kv_heads > kMaxGroup) return -1;
+  if (head_dim == 64) {
+    prefill<64>(query, k_cache, v_cache, tables, query_start, context_lens, out, lse, seqs,
+                heads, kv_heads, table_width, scale, threads);
+  } else if (head_dim == 128) {
+    prefill<128>(query, k_cache, v_cache, tables, query_start, context_lens, out, lse, seqs,
+                 heads, kv_heads, table_width, scale, threads);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+}
