@@ -55,10 +55,33 @@ def _library() -> ctypes.CDLL | None:
         fn = lib.conveyor_paged_decode_bf16
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+        fn = lib.conveyor_write_kv_bf16
+        fn.restype = None
+        fn.argtypes = (
+            [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+        )
         fn = lib.conveyor_paged_prefill_bf16
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
     return lib
+
+
+def write_kv(
+    key: torch.Tensor,  # [T, kv_heads, head_dim] bfloat16
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    """Same as `torch_paged.write_kv`, one copy per row instead of index_put's scatter."""
+    tokens, kv_heads, head_dim = key.shape
+    key, value = (t if t.stride(2) == 1 and t.stride(1) == head_dim else t.contiguous()
+                  for t in (key, value))  # fmt: skip
+    slots = slot_mapping.to(torch.int64).contiguous()
+    _library().conveyor_write_kv_bf16(
+        key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), tokens, kv_heads, head_dim,
+    )  # fmt: skip
 
 
 def decode_attention(

@@ -11,11 +11,12 @@ from kernels import cascade, native_paged, torch_paged
 class TorchPagedAttention:
     name = "torch"
     cascade = True  # reads a prefix shared by many sequences once for all (kernels.cascade)
+    write_kv = staticmethod(torch_paged.write_kv)
     decode_attention = staticmethod(torch_paged.decode_attention)
     prefill_attention = staticmethod(torch_paged.prefill_attention)
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):  # noqa: D102
-        torch_paged.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        self.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         plan = meta.cascade
         if plan is None:
             return self._attend(query, key, value, k_cache, v_cache, meta, scale, False)[0]
@@ -77,6 +78,12 @@ class CompiledPagedAttention(TorchPagedAttention):
         if problem := compiled_paged.compiler_missing():
             raise ValueError(f"attention_backend='compiled' needs inductor's C++ build: {problem}")
         self.inductor_decode = compiled_paged.decode_attention
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping):
+        if native_paged.covers(key, k_cache):
+            native_paged.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        else:
+            torch_paged.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def decode_attention(
         self, query, k_cache, v_cache, block_tables, context_lens, scale, return_lse=False

@@ -114,3 +114,18 @@ def test_kernel_is_built_once_and_kept(tmp_path, monkeypatch) -> None:
     stamp = built.stat().st_mtime_ns
     assert cpu_build.build_library("g++", native_paged.SOURCE, flags) == built
     assert built.stat().st_mtime_ns == stamp
+
+
+def test_native_write_kv_matches_the_reference() -> None:
+    """Keys contiguous, values a view into a packed q/k/v row, as the model passes them."""
+    tokens, kv_heads, head_dim = 37, 4, 64
+    g = torch.Generator().manual_seed(9)
+    qkv = torch.randn(tokens, 3 * kv_heads * head_dim, generator=g).to(torch.bfloat16)
+    key = qkv[:, : kv_heads * head_dim].reshape(tokens, kv_heads, head_dim).contiguous()
+    value = qkv[:, 2 * kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(10 * 16, generator=g)[:tokens]
+    want_k, want_v = (torch.zeros(10, kv_heads, 16, head_dim, dtype=torch.bfloat16) for _ in "kv")
+    ref.write_kv(key, value, want_k, want_v, slots)
+    got_k, got_v = torch.zeros_like(want_k), torch.zeros_like(want_v)
+    native_paged.write_kv(key, value, got_k, got_v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
