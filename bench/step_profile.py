@@ -22,7 +22,7 @@ from random_llama import add_model_arguments, add_run_arguments, set_up
 from report import print_result, rule, table
 
 from engine import LLM, SamplingParams
-from engine.models.layers import PackedLinear, RMSNorm
+from engine.models.layers import Linear, RMSNorm
 
 PARTS = (
     "schedule", "layout and metadata", "projections", "attention", "norms",
@@ -69,13 +69,10 @@ def instrument(llm: LLM) -> Clock:
     clock.wrap(model.model.embed_tokens, "forward", "embedding")
     clock.wrap(llm.runner.backend, "forward", "attention")
     for module in model.modules():
-        if isinstance(module, PackedLinear):
-            clock.wrap(module, "forward_shards", "projections")
+        if isinstance(module, Linear):  # a packed one's shards are views of its one product
+            clock.wrap(module, "forward", "projections")
         elif isinstance(module, RMSNorm):
             clock.wrap(module, "forward", "norms")
-    for layer in model.model.layers:
-        clock.wrap(layer.self_attn.o_proj, "forward", "projections")
-        clock.wrap(layer.mlp.down_proj, "forward", "projections")
     llm.sampler = TimedSampler(llm.sampler, clock)
     clock.wrap(llm, "_advance", "tokens and outputs")
     return clock

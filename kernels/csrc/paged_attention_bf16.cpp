@@ -15,10 +15,15 @@
 #include <utility>
 #include <vector>
 
+
+
+
+
 namespace {
 
 constexpr int64_t kBlock = 16;  // tokens per KV block
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
+constexpr int64_t kPrefetchBlocks = 2;  // how far ahead a decode asks for its next blocks
 
 // e^x for 16 floats: 2^n * 2^f with f in [-0.5, 0.5], 2^f by its Taylor series to degree 7
 // (relative error ~1e-7, as expf); very negative x (and -inf) gives 0.
@@ -102,13 +107,17 @@ void decode(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_ca
       const uint16_t* k = k_cache + base;
       const uint16_t* v = v_cache + base;
       const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-      if (i + 1 < blocks) {  // the next block's rows sit elsewhere in the pool: ask early
-        const int64_t next = tables[b * table_width + i + 1] * block_stride + kvh * kBlock * D;
-        for (int64_t line = 0; line < kBlock * D * 2; line += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(k_cache + next) + line, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(v_cache + next) + line, _MM_HINT_T0);
+      // later blocks sit elsewhere in the pool: ask for them early enough to cover the
+      // memory's latency (a block's compute is shorter than one trip to memory)
+      for (int64_t ahead = (i == 0 ? 1 : kPrefetchBlocks); ahead <= kPrefetchBlocks; ++ahead)
+        if (i + ahead < blocks) {
+          const int64_t next = tables[b * table_width + i + ahead] * block_stride +
+                               kvh * kBlock * D;
+          for (int64_t line = 0; line < kBlock * D * 2; line += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(k_cache + next) + line, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(v_cache + next) + line, _MM_HINT_T0);
+          }
         }
-      }
       for (int64_t g = 0; g < group; ++g) {
         __m512 dots[kBlock];
         for (int64_t j = 0; j < kBlock; ++j) {
