@@ -6,7 +6,8 @@ in the dtype the engine chose.
 The workload: `--requests` (128) prompts of 32-400 random tokens, 16-128 generated tokens each
 (EOS ignored, so every request generates its count), greedy. The model is the benchmarks'
 random ~56M-parameter Llama. The engine is `LLM(path)`: dtype, attention backend, batch sizes
-are its defaults (bfloat16 and the compiled attention on a CPU with fast bfloat16).
+are its defaults (bfloat16 and the compiled attention on a CPU with fast bfloat16), warmed up
+with `warm_up()` as a worker is before it takes work.
 
 The ceiling: `F.linear` timed at every projection's shape at 64, 256 and 2,048 rows in the
 engine's dtype; the best rate of all is the machine's ceiling. The workload's FLOPs: the
@@ -69,12 +70,12 @@ def workload_flops(shape: ModelShape, prompts: list[list[int]], counts: list[int
     return flops
 
 
-def start_engine(path: str, warm) -> tuple[LLM, float]:
-    """The engine on its defaults, warmed up on a few short requests: (engine, seconds)."""
+def start_engine(path: str) -> tuple[LLM, float]:
+    """The engine on its defaults, warmed up as a worker warms it up before taking work (its
+    kernels built for every decode batch size): (engine, seconds)."""
     start = time.perf_counter()
     llm = LLM(path)
-    llm.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                 use_tqdm=False)  # fmt: skip
+    llm.warm_up()
     return llm, time.perf_counter() - start
 
 
@@ -135,9 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     m: BenchModel = set_up(args)
     try:
-        warm = make_workload(4, (16, 64), (8, 8), m.shape.vocab, args.seed + 1).prompts
         rule("engine, on its defaults")
-        llm, warm_seconds = start_engine(str(m.path), warm)
+        llm, warm_seconds = start_engine(str(m.path))
         dtype = llm.dtype
         name = str(dtype).removeprefix("torch.")
         print(f"dtype {name}, attention {llm.runner.backend.name}; start and warm-up "

@@ -218,7 +218,10 @@ class LLMEngine:
 
     def warm_up(self) -> None:
         """Compile what compiles (on a CPU: the decode attention, norms and rope) before the
-        first request: a throwaway request's prefill and a few decode steps."""
+        first request: a throwaway request's prefill and a few decode steps; and on a CPU,
+        build the projections' kernels for every decode batch size."""
+        if self.device.type == "cpu":
+            self.runner.model.warm_up_products(self.engine_config.max_num_seqs)
         request_id = "__warm_up__"
         counters = dataclasses.replace(self.scheduler.counters)
         generated, steps = self.generation_tokens, self.num_steps

@@ -189,6 +189,27 @@ class DecoderForCausalLM(nn.Module):
             elif isinstance(module, MLP) and native:
                 module.impl = NATIVE
 
+    def warm_up_products(self, max_rows: int) -> None:
+        """Run each distinct projection (one layer's and the output layer) at every row count
+        up to `max_rows`, a decode step's possible batch sizes: oneDNN builds a product kernel
+        the first time it meets a shape (~0.3 ms), which would otherwise fall on live steps."""
+        if self.packed_lm_head is None:
+            return
+        layer = self.model.layers[0]
+        projections = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                       layer.mlp.down_proj, self.compute_logits]  # fmt: skip
+        dtype = self.model.embed_tokens.weight.dtype
+        with torch.inference_mode():
+            for rows in range(1, max_rows + 1):
+                for projection, features in zip(projections, self._input_features(), strict=True):
+                    projection(torch.zeros(rows, features, dtype=dtype))
+
+    def _input_features(self) -> list[int]:
+        layer = self.model.layers[0]
+        hidden = self.model.embed_tokens.weight.shape[1]
+        return [hidden, layer.self_attn.o_proj.in_features, hidden,
+                layer.mlp.down_proj.in_features, hidden]  # fmt: skip
+
     def prepack(self) -> None:
         """Once the weights are loaded: every projection and the output layer in oneDNN's
         layout where that is faster (float32 and bfloat16 on a CPU)."""

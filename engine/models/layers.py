@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 
 import torch
@@ -147,6 +148,13 @@ class PackedLinear(Linear):
 CPU_PACKED_MAX_OUT = 2048
 
 
+# oneDNN keeps one product kernel per shape it has run, row count included, in a cache of 1,024
+# by default. A decode step's batch sizes (up to max_num_seqs) times a model's five projection
+# shapes overflow it, and then kernels are built again and again (~0.3 ms each): at 256 batch
+# sizes, a sweep over them all ran 2.4x slower the second time than with room for every one.
+ONEDNN_CACHE_CAPACITY = 8192
+
+
 class PrepackedLinear:
     """`x @ weight.T` through oneDNN with the weight reordered once into its blocked layout:
     for a wide output layer (the 32,000-way logits) and the few hundred rows of a decode
@@ -167,7 +175,11 @@ class PrepackedLinear:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         )
-        return cls(weight) if usable else None
+        if not usable:
+            return None
+        # read by oneDNN when it makes its cache, at the first oneDNN op of the process
+        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
+        return cls(weight)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).contiguous()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.models import layers
-from engine.models.layers import PackedLinear
+from engine.models.layers import Linear, PackedLinear
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -73,3 +73,32 @@ def test_loaded_model_prepacks_its_output_layer(checkpoints):
     torch.testing.assert_close(
         model.compute_logits(hidden), model.lm_head(hidden), rtol=1e-4, atol=1e-4
     )
+
+
+def test_warm_up_runs_every_projection_at_every_decode_batch_size(checkpoints, monkeypatch):
+    """oneDNN builds a product kernel per shape the first time it meets it: a worker's warm-up
+    meets every projection shape at every batch size a decode step can have, and the cache
+    those kernels live in is sized to keep them all."""
+    import os
+
+    from engine import LLM
+    from engine.models.layers import ONEDNN_CACHE_CAPACITY, PrepackedLinear
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    llm = LLM(str(checkpoints["llama"]), device="cpu", dtype="float32", max_num_seqs=12)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_CAPACITY)
+    seen = set()
+    run = PrepackedLinear.__call__
+
+    def record(self, x, bias=None):
+        seen.add((x.shape[0], x.shape[1], self.out_features))
+        return run(self, x, bias)
+
+    monkeypatch.setattr(PrepackedLinear, "__call__", record)
+    llm.warm_up()
+    model = llm.runner.model
+    shapes = {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, Linear)}
+    shapes.add((model.lm_head.in_features, model.lm_head.out_features))
+    assert len(shapes) == 5  # q/k/v, o, gate/up, down, the output layer
+    for rows in range(1, 13):
+        assert {(rows, *shape) for shape in shapes} <= seen
