@@ -40,6 +40,17 @@ class SampleRequest:
         return self.token_ids[self.num_prompt_tokens :]
 
 
+def changes_logits(row: SampleRequest) -> bool:
+    """Whether `apply_logits_processors` changes this row."""
+    params = row.params
+    return bool(
+        params.allowed_token_ids is not None
+        or row.banned_token_ids
+        or params.logit_bias
+        or params.has_penalties
+    )
+
+
 def apply_logits_processors(logits: torch.Tensor, rows: list[SampleRequest]) -> None:
     """Change `logits` (one row per request, float32) in place."""
     _apply_allowed(logits, rows)

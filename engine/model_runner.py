@@ -16,7 +16,8 @@ from kernels.metadata import BatchTables
 
 @dataclass
 class ForwardResult:
-    sample_logits: torch.Tensor  # [num sequences that complete, vocab], in `scheduled` order
+    # [num sequences that complete, vocab], in `scheduled` order, in the model's dtype
+    sample_logits: torch.Tensor
     prompt_logits: dict[int, tuple[int, torch.Tensor]]  # seq_id -> (first position, logits)
     # seq_id -> (position, final hidden state) at the last position of each full prompt block
     # computed in this step, for the sequences whose prompt logprobs were computed
@@ -78,7 +79,7 @@ class ModelRunner:
             meta,
             self.backend,
         )
-        sample_logits = self.model.compute_logits(hidden[step.sample_rows]).float()
+        sample_logits = self.model.compute_logits(hidden[step.sample_rows])
         prompt_logits = {
             seq_id: (first, self.model.compute_logits(hidden[a:b]).float())
             for seq_id, (first, a, b) in step.prompt_rows.items()

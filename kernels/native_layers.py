@@ -1,5 +1,6 @@
 """The decoder layer's elementwise steps in bfloat16 for x86 CPUs with AVX512-BF16, from
-`csrc/layers_bf16.cpp`: RMSNorm with the residual add before it, rope, and SiLU(gate) * up.
+`csrc/layers_bf16.cpp`: RMSNorm with the residual add before it, rope, and SiLU(gate) * up;
+and a greedy step's pick, each row's first maximum (`first_max_index`).
 
 Each is one pass over its rows and one ctypes call. Eager torch makes several passes in
 bfloat16 (converting to float32 and back in each), and inductor's compiled versions of the
@@ -33,7 +34,9 @@ def _library() -> ctypes.CDLL | None:
     lib.conveyor_rms_norm_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _I, _F, _T]
     lib.conveyor_silu_mul_bf16.argtypes = [_P, _I, _P, _I, _I, _T]
     lib.conveyor_rope_bf16.argtypes = [_P, _I, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _T]
-    for fn in (lib.conveyor_rms_norm_bf16, lib.conveyor_silu_mul_bf16, lib.conveyor_rope_bf16):
+    lib.conveyor_argmax_bf16.argtypes = [_P, _I, _I, _I, _P, _T]
+    for fn in (lib.conveyor_rms_norm_bf16, lib.conveyor_silu_mul_bf16, lib.conveyor_rope_bf16,
+               lib.conveyor_argmax_bf16):  # fmt: skip
         fn.restype = None
     return lib
 
@@ -100,3 +103,15 @@ def rope(
         torch.get_num_threads(),
     )  # fmt: skip
     return q_out, k_out
+
+
+def first_max_index(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum, as `x.max(dim=-1).indices` (a NaN wins), for [rows, n]
+    bfloat16 logits: one pass in bfloat16, 5-8x faster than torch's float32 reduction."""
+    flat = _rows(x)
+    out = torch.empty(flat.shape[0], dtype=torch.int64)
+    _library().conveyor_argmax_bf16(
+        flat.data_ptr(), flat.shape[0], flat.shape[1], flat.stride(0), out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out

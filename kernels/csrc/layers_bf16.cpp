@@ -1,7 +1,8 @@
 // The decoder layer's elementwise steps in bfloat16 on x86 CPUs with AVX512-BF16: RMSNorm (with
-// the residual add before it), rope, and SiLU(gate) * up. Each is one pass over its rows,
-// called once per layer where eager torch makes several passes and inductor's compiled
-// functions cost tens of microseconds a call to enter.
+// the residual add before it), rope, and SiLU(gate) * up; and a greedy step's pick, each row's
+// first maximum. Each is one pass over its rows, called once per layer (or step) where eager
+// torch makes several passes and inductor's compiled functions cost tens of microseconds a
+// call to enter.
 //
 // Results are rounded to bfloat16 where the reference implementation (transformers' eager
 // modules, and this engine's eager path) rounds them: the residual sum; the normalised row
@@ -11,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace {
 
@@ -55,6 +57,60 @@ constexpr int64_t kMinParallelElements = 1 << 15;
 
 inline int threads_for(int64_t elements, int threads) {
   return elements >= kMinParallelElements ? threads : 1;
+}
+
+inline float value(const uint16_t* p) {
+  const uint32_t bits = static_cast<uint32_t>(*p) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// The index of a row's first maximum; a NaN wins (the first one), and a row of -inf gives 0,
+// as in torch.
+int64_t first_max(const uint16_t* row, int64_t n) {
+  const int64_t full = n / 16 * 16;
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512i best_at = _mm512_set1_epi32(-1);
+  __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < full; i += 16) {
+    const __m512 x = load16(row + i);
+    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __mmask16 greater = _mm512_cmp_ps_mask(x, best, _CMP_GT_OQ);  // strictly: first wins
+    best = _mm512_mask_mov_ps(best, greater, x);
+    best_at = _mm512_mask_mov_epi32(best_at, greater, at);
+    at = _mm512_add_epi32(at, step);
+  }
+  alignas(64) float values[16];
+  alignas(64) int32_t where[16];
+  _mm512_store_ps(values, best);
+  _mm512_store_si512(where, best_at);
+  int64_t result = -1;
+  float top = -std::numeric_limits<float>::infinity();
+  for (int lane = 0; lane < 16; ++lane) {  // the largest value; among equals, the first index
+    if (where[lane] < 0) continue;
+    if (result < 0 || values[lane] > top || (values[lane] == top && where[lane] < result)) {
+      top = values[lane];
+      result = where[lane];
+    }
+  }
+  for (int64_t i = full; i < n; ++i) {
+    const float x = value(row + i);
+    nan |= static_cast<__mmask16>(x != x);
+    if (x > top) {
+      top = x;
+      result = i;
+    }
+  }
+  if (nan) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = value(row + i);
+      if (x != x) return i;
+    }
+  }
+  return result < 0 ? 0 : result;  // every value -inf: the first, as torch
 }
 
 }  // namespace
@@ -141,5 +197,12 @@ void conveyor_rope_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, 
       }
     }
   }
+}
+
+// out[r] = the index of row r's first maximum; rows `stride` elements apart.
+void conveyor_argmax_bf16(const uint16_t* x, int64_t rows, int64_t n, int64_t stride,
+                          int64_t* out, int threads) {
+#pragma omp parallel for num_threads(rows >= 8 ? threads : 1)
+  for (int64_t r = 0; r < rows; ++r) out[r] = first_max(x + r * stride, n);
 }
 }

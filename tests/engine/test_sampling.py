@@ -188,3 +188,31 @@ def test_first_max_index_is_argmax_with_first_index_on_ties():
     tied[1, :] = float("-inf")
     tied[1, [4, 9]] = 1.0
     assert first_max_index(tied).tolist() == [2, 4, 0]
+
+
+def test_plain_greedy_rows_are_picked_from_logits_in_their_own_dtype(monkeypatch):
+    """bfloat16 logits of greedy rows with nothing to adjust are read as they are; a row that
+    asks for logprobs, or has a logit bias, sends the batch through the float32 path. Both
+    pick the same tokens."""
+    from engine.logits_processors import SampleRequest
+    from engine.sampler import Sampler
+
+    logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    widened = []
+    to_float = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float", lambda t: widened.append(t.dtype) or to_float(t))
+
+    def rows(**extra):
+        params = [SamplingParams(temperature=0, **(extra if i == 5 else {})) for i in range(6)]
+        return [SampleRequest(p, None, []) for p in params]
+
+    want = logits.float().argmax(dim=-1).tolist()
+    widened.clear()
+    plain = sampler(logits, rows())
+    assert plain.token_ids == want and plain.logprobs == [None] * 6 and widened == []
+    with_logprobs = sampler(logits, rows(logprobs=2))
+    assert with_logprobs.token_ids == want and with_logprobs.logprobs[5] is not None
+    biased = sampler(logits, rows(logit_bias={7: 100.0}))
+    assert biased.token_ids == want[:5] + [7]
+    assert widened == [torch.bfloat16, torch.bfloat16]

@@ -74,3 +74,20 @@ def test_rope(tokens, head_dim) -> None:
     want_q, want_k = apply_rope(rope, q, k)
     got_q, got_k = native_layers.rope(*rope, q, k)
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+@pytest.mark.parametrize("rows, n", [(1, 32000), (96, 32000), (5, 37), (3, 151936)])
+def test_first_max_index(rows, n) -> None:
+    logits = randn(rows, n, seed=9)
+    assert torch.equal(native_layers.first_max_index(logits), logits.max(dim=-1).indices)
+    tied = torch.randint(0, 3, (50, n), generator=torch.Generator().manual_seed(10)).to(BF16)
+    assert torch.equal(native_layers.first_max_index(tied), tied.float().argmax(dim=-1))
+
+
+def test_first_max_index_of_nan_and_minus_infinity_rows() -> None:
+    """As torch: a NaN wins (the first one); a row of -inf gives its first index."""
+    logits = torch.full((3, 40), float("-inf"), dtype=BF16)
+    logits[1, 20] = logits[1, 7] = float("nan")
+    logits[2, 35] = 1.0  # past the last whole vector of 16
+    assert native_layers.first_max_index(logits).tolist() == [0, 7, 35]
+    assert logits.max(dim=-1).indices.tolist() == [0, 7, 35]
