@@ -34,7 +34,10 @@ def setup(lens, heads, kv_heads, head_dim, seed=0):
         [7, 15, 1000],  # a long one beside short ones
     ],
 )
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 4, 64), (4, 4, 128), (16, 1, 64)])
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim",
+    [(8, 4, 64), (4, 4, 128), (16, 1, 64), (8, 1, 128), (6, 2, 64), (16, 4, 64)],
+)
 def test_native_decode_matches_dense(lens, heads, kv_heads, head_dim) -> None:
     query, k_cache, v_cache, tables, context = setup(lens, heads, kv_heads, head_dim, len(lens))
     assert native_paged.covers(query, k_cache)
