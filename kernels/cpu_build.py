@@ -40,8 +40,9 @@ def cpu_has_avx512_bf16() -> bool:
 
 def build_library(compiler: str, source: Path, flags: tuple[str, ...]) -> Path:
     """The shared library of `source`, built once into the cache dir under a name hashed from
-    the source, the flags and the compiler's version."""
-    text = source.read_bytes()
+    the source, the headers beside it, the flags and the compiler's version."""
+    headers = sorted(source.parent.glob("*.h"))
+    text = b"".join(path.read_bytes() for path in (source, *headers))
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(text + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
     target = cache_dir("kernels") / f"{source.stem}-{key}.so"

@@ -94,23 +94,35 @@ def decode_attention(
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same inputs and results as `torch_paged.decode_attention`, for what `covers` accepts."""
-    lib = _library()
-    assert lib is not None, "check covers() first"
-    query = query.contiguous()
-    out = torch.empty_like(query)
-    lse = torch.empty(query.shape[:2], dtype=torch.float32) if return_lse else None
+    query, out, lse = _outputs(query, return_lse)
     if query.shape[0]:
         tables = block_tables.to(torch.int32).contiguous()
         lens = context_lens.to(torch.int32).contiguous()
-        status = lib.conveyor_paged_decode_bf16(
-            query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-            lens.data_ptr(), out.data_ptr(), None if lse is None else lse.data_ptr(),
-            query.shape[0], query.shape[1], k_cache.shape[1], query.shape[2], tables.shape[1],
-            float(scale), torch.get_num_threads(),
+        _check(
+            _library().conveyor_paged_decode_bf16(
+                query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                lens.data_ptr(), out.data_ptr(), None if lse is None else lse.data_ptr(),
+                query.shape[0], query.shape[1], k_cache.shape[1], query.shape[2],
+                tables.shape[1], float(scale), torch.get_num_threads(),
+            ),
+            query,
         )  # fmt: skip
-        if status != 0:
-            raise ValueError(f"paged_decode_bf16 does not cover shape {tuple(query.shape)}")
     return (out, lse) if return_lse else out
+
+
+def _outputs(
+    query: torch.Tensor, return_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The query as the kernels read it, and the output (and log-sum-exp) they write."""
+    assert _library() is not None, "check covers() first"
+    query = query.contiguous()
+    lse = torch.empty(query.shape[:2], dtype=torch.float32) if return_lse else None
+    return query, torch.empty_like(query), lse
+
+
+def _check(status: int, query: torch.Tensor) -> None:
+    if status != 0:
+        raise ValueError(f"the bfloat16 attention kernel does not cover {tuple(query.shape)}")
 
 
 def prefill_attention(
@@ -126,22 +138,19 @@ def prefill_attention(
     """Same inputs and results as `torch_paged.prefill_attention`, this step's K/V already in
     the cache: each chunk's queries attend causally to their sequence's blocks, 16 query
     vectors (rows times the query heads of a KV head) at a time."""
-    lib = _library()
-    assert lib is not None, "check covers() first"
-    query = query.contiguous()
-    out = torch.empty_like(query)
-    lse = torch.empty(query.shape[:2], dtype=torch.float32) if return_lse else None
+    query, out, lse = _outputs(query, return_lse)
     if query.shape[0]:
         tables = block_tables.to(torch.int32).contiguous()
         starts = torch.tensor(query_start, dtype=torch.int32)
         lens = torch.tensor(context_lens, dtype=torch.int32)
-        status = lib.conveyor_paged_prefill_bf16(
-            query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-            starts.data_ptr(), lens.data_ptr(), out.data_ptr(),
-            None if lse is None else lse.data_ptr(), len(context_lens), query.shape[1],
-            k_cache.shape[1], query.shape[2], tables.shape[1], float(scale),
-            torch.get_num_threads(),
+        _check(
+            _library().conveyor_paged_prefill_bf16(
+                query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                starts.data_ptr(), lens.data_ptr(), out.data_ptr(),
+                None if lse is None else lse.data_ptr(), len(context_lens), query.shape[1],
+                k_cache.shape[1], query.shape[2], tables.shape[1], float(scale),
+                torch.get_num_threads(),
+            ),
+            query,
         )  # fmt: skip
-        if status != 0:
-            raise ValueError(f"paged_prefill_bf16 does not cover shape {tuple(query.shape)}")
     return (out, lse) if return_lse else out

@@ -14,12 +14,12 @@
 #include <cstdint>
 #include <limits>
 
+#include "simd_bf16.h"
+
 namespace {
 
-inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> float32
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
+using conveyor::exp16;
+using conveyor::load16;
 
 inline __m256i to_bf16(__m512 x) {  // round to nearest even, as torch does (NaN stays NaN)
   return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
@@ -32,24 +32,6 @@ inline __m512 round_bf16(__m512 x) {  // x rounded to bfloat16 and back
 
 inline void store16(uint16_t* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(x));
-}
-
-// e^x for 16 floats: 2^n * 2^f with f in [-0.5, 0.5], 2^f by its Taylor series to degree 7
-// (relative error ~1e-7, as expf); very negative x gives 0, very large x gives inf.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.f)), _mm512_set1_ps(89.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5252733804059841e-05f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381610e-04f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // Rows are split over threads only when there is enough work for each to pay for waking it.

@@ -119,6 +119,19 @@ def test_kernel_is_built_once_and_kept(tmp_path, monkeypatch) -> None:
     assert built.stat().st_mtime_ns == stamp
 
 
+def test_a_changed_header_builds_a_new_kernel(tmp_path, monkeypatch) -> None:
+    import shutil
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    csrc = shutil.copytree(native_paged.SOURCE.parent, tmp_path / "csrc")
+    source, flags = csrc / native_paged.SOURCE.name, cpu_build.AVX512_BF16_FLAGS
+    first = cpu_build.build_library("g++", source, flags)
+    header = csrc / "simd_bf16.h"
+    header.write_text(header.read_text() + "\n// changed\n")
+    second = cpu_build.build_library("g++", source, flags)
+    assert second != first and first.exists() and second.exists()
+
+
 def test_native_write_kv_matches_the_reference() -> None:
     """Keys contiguous, values a view into a packed q/k/v row, as the model passes them."""
     tokens, kv_heads, head_dim = 37, 4, 64
