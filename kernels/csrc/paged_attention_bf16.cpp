@@ -204,8 +204,9 @@ void prefill(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_c
     const int32_t* qdw[kTile];
     int64_t pos[kTile];
     alignas(64) float acc[kTile][D];
-    alignas(64) float probs[kTile][kBlock];
-    float top[kTile], total[kTile];
+    alignas(64) float probs[kBlock][kTile];  // probs[j][t]: key j's weight for query t
+    alignas(64) float rescale[kTile];
+    alignas(64) int32_t positions[kTile];
     const uint32_t zero[P] = {};
     for (int64_t t = 0; t < kTile; ++t) {
       const int64_t row = r0 + t / group, h = kvh * group + t % group;
@@ -214,10 +215,13 @@ void prefill(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_c
                           query + ((query_start[s] + row) * heads + h) * D)
                     : reinterpret_cast<const int32_t*>(zero);
       pos[t] = real ? first + row : -1;
-      top[t] = -std::numeric_limits<float>::infinity();
-      total[t] = 0.f;
+      positions[t] = static_cast<int32_t>(pos[t]);
       for (int64_t d = 0; d < D; ++d) acc[t][d] = 0.f;
     }
+    // the softmax's running max and sum, lane t for query t
+    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __m512 total = _mm512_setzero_ps();
+    const __m512i position = _mm512_load_si512(positions);
     const int64_t last = first + r0 + rows - 1;  // the tile's last position
     const int64_t blocks = last / kBlock + 1;
     const __m512 vscale = _mm512_set1_ps(scale);
@@ -246,35 +250,58 @@ void prefill(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_c
       alignas(64) float vf[kBlock][D];  // this block's V rows in float32
       for (int64_t j = 0; j < kBlock; ++j)
         for (int64_t c = 0; c < V; ++c) _mm512_store_ps(vf[j] + c * 16, load16(v + j * D + c * 16));
+      // The softmax for all 16 queries at once: the scores transposed, so that lane t of
+      // keys[j] is query t's score for key j (visible if key i*16+j <= the query's position)
+      __m512i keys[kBlock];
+      for (int64_t t = 0; t < kTile; ++t) keys[t] = _mm512_castps_si512(scores[t]);
+      transpose16(keys);
+      const __m512i seen = _mm512_sub_epi32(position, _mm512_set1_epi32(i * kBlock));
+      __mmask16 visible[kBlock];
+      __m512 block_top = ninf;
+      for (int64_t j = 0; j < kBlock; ++j) {
+        visible[j] = _mm512_cmp_epi32_mask(_mm512_set1_epi32(j), seen, _MM_CMPINT_LE);
+        keys[j] = _mm512_castps_si512(
+            _mm512_mask_mul_ps(ninf, visible[j], _mm512_castsi512_ps(keys[j]), vscale));
+        block_top = _mm512_max_ps(block_top, _mm512_castsi512_ps(keys[j]));
+      }
+      const __m512 new_top = _mm512_max_ps(top, block_top);
+      // a query that has seen no key yet (top still -inf) keeps a factor of 1
+      const __mmask16 started = _mm512_cmp_ps_mask(new_top, ninf, _CMP_NEQ_UQ);
+      const __m512 factor = _mm512_mask_mov_ps(
+          _mm512_set1_ps(1.f), started, exp16(_mm512_sub_ps(top, new_top)));
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const __m512 pj = _mm512_maskz_mov_ps(
+            visible[j], exp16(_mm512_sub_ps(_mm512_castsi512_ps(keys[j]), new_top)));
+        _mm512_store_ps(probs[j], pj);
+        sum = _mm512_add_ps(sum, pj);
+      }
+      total = _mm512_add_ps(_mm512_mul_ps(total, factor), sum);
+      top = new_top;
+      _mm512_store_ps(rescale, factor);
       for (int64_t t = 0; t < count; ++t) {
-        const int64_t visible = pos[t] - i * kBlock + 1;  // keys of this block it sees
-        if (visible <= 0) continue;
-        const int64_t nk = std::min(visible, kBlock);
-        const __mmask16 valid = static_cast<__mmask16>((1u << nk) - 1);
-        const __m512 sc = _mm512_mask_mul_ps(ninf, valid, scores[t], vscale);
-        const float m = std::max(top[t], _mm512_reduce_max_ps(sc));
-        const __m512 pr = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m))));
-        const float rescale = std::exp(top[t] - m);
-        total[t] = total[t] * rescale + _mm512_reduce_add_ps(pr);
-        top[t] = m;
-        _mm512_store_ps(probs[t], pr);
+        const int64_t nk = std::min(pos[t] - i * kBlock + 1, kBlock);  // keys it sees
+        if (nk <= 0) continue;
         __m512 o[V];
-        const __m512 rs = _mm512_set1_ps(rescale);
+        const __m512 rs = _mm512_set1_ps(rescale[t]);
         for (int64_t c = 0; c < V; ++c) o[c] = _mm512_mul_ps(_mm512_load_ps(acc[t] + c * 16), rs);
         for (int64_t j = 0; j < nk; ++j) {
-          const __m512 pj = _mm512_set1_ps(probs[t][j]);
+          const __m512 pj = _mm512_set1_ps(probs[j][t]);
           for (int64_t c = 0; c < V; ++c)
             o[c] = _mm512_fmadd_ps(pj, _mm512_load_ps(vf[j] + c * 16), o[c]);
         }
         for (int64_t c = 0; c < V; ++c) _mm512_store_ps(acc[t] + c * 16, o[c]);
       }
     }
+    alignas(64) float tops[kTile], totals[kTile];
+    _mm512_store_ps(tops, top);
+    _mm512_store_ps(totals, total);
     for (int64_t t = 0; t < count; ++t) {
       const int64_t row = query_start[s] + r0 + t / group, h = kvh * group + t % group;
       uint16_t* o = out + (row * heads + h) * D;
-      const float inv = 1.f / total[t];
+      const float inv = 1.f / totals[t];
       for (int64_t d = 0; d < D; ++d) o[d] = to_bf16(acc[t][d] * inv);
-      if (lse != nullptr) lse[row * heads + h] = top[t] + std::log(total[t]);
+      if (lse != nullptr) lse[row * heads + h] = tops[t] + std::log(totals[t]);
     }
   }
 }
