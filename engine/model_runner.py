@@ -72,20 +72,24 @@ class ModelRunner:
         meta = AttentionMetadata.build(slot_mapping, step.tables, dev)
         if self.cascade:
             meta.cascade = plan_cascade(slot_mapping, step.tables, self.block_size, dev)
+        kept = step.output_rows()
         hidden = self.model(
             torch.tensor(step.input_ids, dtype=torch.long, device=dev),
             torch.tensor(step.positions, dtype=torch.long, device=dev),
             self.kv_caches,
             meta,
             self.backend,
+            None if kept is None else torch.tensor(kept, dtype=torch.long, device=dev),
         )
-        sample_logits = self.model.compute_logits(hidden[step.sample_rows])
+        at = {row: i for i, row in enumerate(kept or range(len(step.input_ids)))}
+        sample_logits = self.model.compute_logits(hidden[[at[r] for r in step.sample_rows]])
         prompt_logits = {
-            seq_id: (first, self.model.compute_logits(hidden[a:b]).float())
+            seq_id: (first, self.model.compute_logits(hidden[at[a] : at[b - 1] + 1]).float())
             for seq_id, (first, a, b) in step.prompt_rows.items()
         }
         prompt_boundaries = {
-            seq_id: [(p, hidden[r]) for p, r in rows] for seq_id, rows in step.boundary_rows.items()
+            seq_id: [(p, hidden[at[r]]) for p, r in rows]
+            for seq_id, rows in step.boundary_rows.items()
         }
         return ForwardResult(sample_logits, prompt_logits, prompt_boundaries)
 
@@ -130,6 +134,18 @@ class StepLayout:
             if seq.seq_id in prompt_logprob_seqs:
                 step._prompt_rows(seq, start, n, row, bs)
         return step
+
+    def output_rows(self) -> list[int] | None:
+        """The rows whose final hidden states are used (sampled, or giving prompt logprobs),
+        in order; None when that is every row. At least one row, so no product is empty."""
+        rows = set(self.sample_rows)
+        for _, a, b in self.prompt_rows.values():
+            rows.update(range(a, b))
+        for boundaries in self.boundary_rows.values():
+            rows.update(r for _, r in boundaries)
+        if len(rows) == len(self.input_ids):
+            return None
+        return sorted(rows) or [0]
 
     def _prompt_rows(self, seq: Sequence, start: int, n: int, row: int, bs: int) -> None:
         # rows predicting prompt tokens start+1 .. num_prompt_tokens-1

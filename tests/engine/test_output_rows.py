@@ -1,0 +1,46 @@
+"""The last layer runs past attention only for the rows whose hidden states are read (sampled
+rows, prompt-logprob rows): the outputs equal those of a pass over every row."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.model_runner import StepLayout
+from tests.hf_reference import random_prompts
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_skipping_unread_rows_changes_no_output(checkpoints, monkeypatch, dtype):
+    prompts = random_prompts(6, 5, 70, seed=3)
+    # prompt logprobs for some requests only: their rows are kept between skipped ones
+    params = [
+        SamplingParams(temperature=0, max_tokens=5, logprobs=2,
+                       prompt_logprobs=1 if i % 2 else None)
+        for i in range(len(prompts))
+    ]  # fmt: skip
+
+    def run():
+        # chunks of 32 tokens: most prefill rows feed only the cache
+        llm = LLM(str(checkpoints["llama"]), device="cpu", dtype=dtype, max_num_batched_tokens=32)
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    kept, every = [], StepLayout.output_rows
+
+    def recorded(self):
+        kept.append((every(self), len(self.input_ids)))
+        return kept[-1][0]
+
+    monkeypatch.setattr(StepLayout, "output_rows", recorded)
+    skipping = run()
+    assert any(rows is not None and len(rows) < total for rows, total in kept)
+    monkeypatch.setattr(StepLayout, "output_rows", lambda self: None)
+    full = run()
+    for a, b in zip(skipping, full, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t] - y[t]) < 1e-4 for t in x)
+        assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
+        for x, y in zip(a.prompt_logprobs or [], b.prompt_logprobs or [], strict=True):
+            assert (x is None and y is None) or all(abs(x[t] - y[t]) < 1e-4 for t in x)
