@@ -1,7 +1,7 @@
 """How near the machine's limit the engine runs on its defaults: in one process, the best
 matrix-product rate of this machine at the model's shapes, the FLOPs a mixed evaluation
-workload needs, the engine's time for it with no options given, and transformers' `generate`
-in the dtype the engine chose.
+workload needs (`workload_flops`), the engine's time for it with no options given, and
+transformers' `generate` in the dtype the engine chose.
 
 The workload: `--requests` (128) prompts of 32-400 random tokens, 16-128 generated tokens each
 (EOS ignored, so every request generates its count), greedy. The model is the benchmarks'
@@ -11,8 +11,9 @@ with `warm_up()` as a worker is before it takes work.
 
 The ceiling: `F.linear` timed at every projection's shape at 64, 256 and 2,048 rows in the
 engine's dtype; the best rate of all is the machine's ceiling. The workload's FLOPs: the
-projections for every prompt and generated token, the output layer for the rows sampled, and
-attention over each token's context. Goals: >= 25% of the ceiling on defaults, and >= 5x
+projections for every prompt and generated token (of the last layer, only q/k/v for a prompt
+token before the last, whose hidden state nobody reads), the output layer for the rows sampled,
+and attention over each token's context. Goals: >= 25% of the ceiling on defaults, and >= 5x
 transformers `generate` at the same dtype on the same requests: static batches of `--hf-batch`
 (32, its best here: on 128 of these requests in bfloat16, batches of 16 and 32 tied at 421
 tok/s, 64 gave 416, 128 gave 275, and 8 ran 10-30% slower than 32), left-padded, each batch
@@ -59,14 +60,20 @@ def best_rate(shape: ModelShape, dtype: torch.dtype) -> tuple[float, list[tuple]
 
 
 def workload_flops(shape: ModelShape, prompts: list[list[int]], counts: list[int]) -> float:
-    """Projections for every token, the output layer for each sampled row, attention over
-    each token's context (causal)."""
+    """What the answer needs: the projections for every token, except that a token whose
+    hidden state nobody reads (a prompt token before the last) needs of the last layer only
+    its q/k/v (its K/V); the output layer for each sampled row; attention over each token's
+    context (causal)."""
     lm_head = 2 * shape.hidden * shape.vocab
-    per_token = shape.matmul_flops_per_token() - lm_head
+    per_layer = (shape.matmul_flops_per_token() - lm_head) / shape.layers
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    last_layer_unread = per_layer - 2 * shape.hidden * (q + 2 * kv)  # o_proj and the MLP
     flops = 0.0
     for prompt, count in zip(prompts, counts, strict=True):
         tokens = len(prompt) + count - 1  # the last token is sampled, never computed
-        flops += tokens * per_token + count * lm_head
+        unread = len(prompt) - 1  # prompt tokens before the one whose row is sampled
+        flops += tokens * per_layer * shape.layers - unread * last_layer_unread
+        flops += count * lm_head
         mean_context = (tokens + 1) / 2
         flops += tokens * shape.attention_flops_per_token(mean_context)
     return flops
