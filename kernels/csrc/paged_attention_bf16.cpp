@@ -6,6 +6,7 @@
 // instruction (exact products, float32 sums); the softmax is online, per block, in float32;
 // P.V accumulates in float32. Output is rounded to bfloat16 once, at the end.
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -70,9 +71,13 @@ void decode(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_ca
   const int64_t block_stride = kv_heads * kBlock * D;
   const __m512 vscale = _mm512_set1_ps(scale);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t task = 0; task < batch * kv_heads; ++task) {
+  const int64_t tasks = batch * kv_heads;
+  // Tasks dealt round-robin: a thread knows its next task, and asks for that task's first blocks
+  // while it finishes this one, so no task starts on a trip to memory
+#pragma omp parallel for schedule(static, 1) num_threads(threads)
+  for (int64_t task = 0; task < tasks; ++task) {
     const int64_t b = task / kv_heads, kvh = task % kv_heads;
+    const int64_t next_task = task + omp_get_num_threads();
     const int64_t context = context_lens[b];
     __m512bh q[kMaxGroup][C];
     __m512 acc[kMaxGroup][V];
@@ -94,15 +99,21 @@ void decode(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_ca
       const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
       // later blocks sit elsewhere in the pool: ask for them early enough to cover the
       // memory's latency (a block's compute is shorter than one trip to memory)
-      for (int64_t ahead = (i == 0 ? 1 : kPrefetchBlocks); ahead <= kPrefetchBlocks; ++ahead)
+      for (int64_t ahead = (i == 0 ? 1 : kPrefetchBlocks); ahead <= kPrefetchBlocks; ++ahead) {
+        int64_t next = -1;  // the block `ahead` blocks on, in this task or the next one's
         if (i + ahead < blocks) {
-          const int64_t next = tables[b * table_width + i + ahead] * block_stride +
-                               kvh * kBlock * D;
+          next = tables[b * table_width + i + ahead] * block_stride + kvh * kBlock * D;
+        } else if (next_task < tasks) {
+          const int64_t nb = next_task / kv_heads, j = i + ahead - blocks;
+          if (j * kBlock < context_lens[nb])
+            next = tables[nb * table_width + j] * block_stride + (next_task % kv_heads) * kBlock * D;
+        }
+        if (next >= 0)
           for (int64_t line = 0; line < kBlock * D * 2; line += 64) {
             _mm_prefetch(reinterpret_cast<const char*>(k_cache + next) + line, _MM_HINT_T0);
             _mm_prefetch(reinterpret_cast<const char*>(v_cache + next) + line, _MM_HINT_T0);
           }
-        }
+      }
       for (int64_t g = 0; g < group; ++g) {
         __m512 dots[kBlock];
         for (int64_t j = 0; j < kBlock; ++j) {
