@@ -87,7 +87,7 @@ class LLMEngine:
             max_waiting_time=config.max_waiting_time,
         )
         backend = get_attention_backend(config.attention_backend, self.device)
-        if backend.name == "compiled":  # inductor builds CPU code here: fuse norms and rope
+        if backend.name == "compiled":  # C++ builds here: fuse norms, rope and the activation
             net.fuse_elementwise()
         self.runner = ModelRunner(
             net, backend, num_kv_blocks, config.block_size, self.device, self.dtype

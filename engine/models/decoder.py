@@ -205,20 +205,16 @@ class DecoderForCausalLM(nn.Module):
         the first time it meets a shape (~0.3 ms), which would otherwise fall on live steps."""
         if self.packed_lm_head is None:
             return
-        layer = self.model.layers[0]
-        projections = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                       layer.mlp.down_proj, self.compute_logits]  # fmt: skip
+        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
+        hidden = self.model.embed_tokens.weight.shape[1]
+        projections = [(attn.qkv_proj, hidden), (attn.o_proj, attn.o_proj.in_features),
+                       (mlp.gate_up_proj, hidden), (mlp.down_proj, mlp.down_proj.in_features),
+                       (self.compute_logits, hidden)]  # fmt: skip
         dtype = self.model.embed_tokens.weight.dtype
         with torch.inference_mode():
             for rows in range(1, max_rows + 1):
-                for projection, features in zip(projections, self._input_features(), strict=True):
+                for projection, features in projections:
                     projection(torch.zeros(rows, features, dtype=dtype))
-
-    def _input_features(self) -> list[int]:
-        layer = self.model.layers[0]
-        hidden = self.model.embed_tokens.weight.shape[1]
-        return [hidden, layer.self_attn.o_proj.in_features, hidden,
-                layer.mlp.down_proj.in_features, hidden]  # fmt: skip
 
     def prepack(self) -> None:
         """Once the weights are loaded: every projection and the output layer in oneDNN's
