@@ -9,25 +9,44 @@ where xgrammar let a sampled string hold the bytes of a lone surrogate.
 The masks of a step depend only on tokens already chosen, so they are filled on llguidance's
 own threads while the model computes the step's logits; `apply` then masks every constrained
 row with one tensor op.
+
+A constraint compiles off the engine thread (`engine/grammar_compiler.py` says how and why):
+its request waits here, out of the scheduler, and `settled` hands it back to the step that
+finds its grammar compiled, failed or past the request's time limit.
 """
 
 from __future__ import annotations
 
-import json
-import re
-from concurrent.futures import Future, ThreadPoolExecutor
-from functools import lru_cache
-from typing import Any
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.grammar_compiler import Compile, GrammarCompiler, StructuredOutputError
 from engine.sampling_params import StructuredOutputsParams
 
+if TYPE_CHECKING:
+    from engine.sequence import Request
+
 _BITS = 32  # tokens per word of a bitmask
+# how long an engine with nothing else to run waits for a compile in a step, rather than spin
+IDLE_WAIT = 0.02
+
+__all__ = ["StructuredOutputError", "StructuredOutputs"]
 
 
-class StructuredOutputError(ValueError):
-    """A constraint the grammar engine cannot compile; the message says why."""
+@dataclass(eq=False)
+class _Waiting:
+    """A request out of the scheduler until its grammar compiles."""
+
+    request: Request
+    compile: Compile
+    timeout: float
+    deadline: float  # time.monotonic
 
 
 class StructuredOutputs:
@@ -37,41 +56,73 @@ class StructuredOutputs:
         self.eos_token_ids = list(eos_token_ids)
         self._ll_tokenizer: Any = None
         self._executor: Any = None
+        self._tokenizer_lock = threading.Lock()
         self._bitmask: torch.Tensor | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="token-masks")
+        self._compiler = GrammarCompiler(self._tokenizer)
+        self._waiting: dict[str, _Waiting] = {}
 
     def _tokenizer(self) -> Any:
-        if self._ll_tokenizer is None:
-            import llguidance
-            import llguidance.hf
+        with self._tokenizer_lock:  # the compile threads ask for it
+            if self._ll_tokenizer is None:
+                import llguidance
+                import llguidance.hf
 
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
-            )
-            self._executor = llguidance.LLExecutor()
-        return self._ll_tokenizer
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+                )
+                self._executor = llguidance.LLExecutor()
+            return self._ll_tokenizer
 
-    def compile(self, spec: StructuredOutputsParams) -> str:
-        """The llguidance grammar of `spec`, checked against the vocabulary. Raises
-        `StructuredOutputError`."""
-        from llguidance import LLMatcher
+    def wait_for_grammar(
+        self, request: Request, spec: StructuredOutputsParams, timeout: float
+    ) -> None:
+        """Compile `spec` off this thread (once per grammar: the cache may have it) while
+        `request` waits; `settled` hands it back within `timeout` seconds."""
+        compile_ = self._compiler.submit(spec)
+        now = time.monotonic()
+        # a compile that ran past the limit for another request fails this one at once
+        deadline = now + timeout - compile_.running_for(now)
+        self._waiting[request.request_id] = _Waiting(request, compile_, timeout, deadline)
 
-        kind, _ = spec.key
-        try:
-            grammar = _grammar(*spec.key)
-        except Exception as err:  # llguidance raises ValueError and RuntimeError
-            raise StructuredOutputError(f"cannot compile the {kind} constraint: {err}") from None
-        matcher = LLMatcher(self._tokenizer(), grammar, log_level=0)
-        if matcher.is_error():
-            raise StructuredOutputError(
-                f"cannot compile the {kind} constraint: {matcher.get_error()}"
-            )
-        return grammar
+    def settled(self, wait: bool = False) -> list[tuple[Request, Any]]:
+        """The waiting requests whose grammar is settled, each with the compiled grammar for
+        `matcher`, or with the error that fails it: a `StructuredOutputError` when the grammar
+        does not compile, or not within the request's time limit. With `wait` (the engine has
+        nothing else to do), first wait up to IDLE_WAIT seconds for a compile to finish."""
+        if not self._waiting:
+            return []
+        if wait:
+            first_deadline = min(w.deadline for w in self._waiting.values())
+            pending = {w.compile.future for w in self._waiting.values()}
+            timeout = max(0.0, min(IDLE_WAIT, first_deadline - time.monotonic()))
+            wait_for(pending, timeout, FIRST_COMPLETED)
+        now = time.monotonic()
+        settled: list[tuple[Request, Any]] = []
+        for request_id, waiting in list(self._waiting.items()):
+            future = waiting.compile.future
+            if future.done():
+                settled.append((waiting.request, future.exception() or future.result()))
+            elif now >= waiting.deadline:
+                settled.append((waiting.request, _timeout_error(waiting)))
+            else:
+                continue
+            del self._waiting[request_id]
+        return settled
 
-    def matcher(self, grammar: str) -> Any:
-        from llguidance import LLMatcher
+    def forget(self, request_id: str) -> None:
+        """Stop waiting for the grammar of `request_id` (aborted); its compile goes on for the
+        cache."""
+        self._waiting.pop(request_id, None)
 
-        return LLMatcher(self._tokenizer(), grammar, log_level=0)
+    @property
+    def num_compiling(self) -> int:
+        """Requests waiting for their grammar."""
+        return len(self._waiting)
+
+    def matcher(self, compiled: Any) -> Any:
+        """A fresh matcher of a grammar that `settled` gave."""
+        return compiled.deep_copy()
 
     def fill_async(self, matchers: list[Any | None]) -> Future[torch.Tensor] | None:
         """Start filling the masks of `matchers` (None: an unconstrained row); None when no
@@ -104,19 +155,8 @@ class StructuredOutputs:
         logits.masked_fill_(allowed[:, :width] == 0, float("-inf"))
 
 
-@lru_cache(maxsize=256)
-def _grammar(kind: str, text: str) -> str:
-    from llguidance import LLMatcher
-    from llguidance.gbnf_to_lark import any_to_lark
-
-    no_whitespace = {"whitespace_flexible": False}
-    if kind == "json":
-        return LLMatcher.grammar_from_json_schema(text, defaults=no_whitespace)
-    if kind == "json_object":
-        return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=no_whitespace)
-    if kind == "regex":
-        return LLMatcher.grammar_from_regex(text)
-    if kind == "choice":
-        return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in json.loads(text)))
-    # GBNF (llama.cpp's and xgrammar's `root ::= ...`) or Lark (`start: ...`)
-    return LLMatcher.grammar_from_lark(any_to_lark(text))
+def _timeout_error(waiting: _Waiting) -> StructuredOutputError:
+    return StructuredOutputError(
+        f"cannot compile the {waiting.compile.kind} constraint within {waiting.timeout:g} s "
+        "(grammar_timeout)"
+    )
