@@ -129,6 +129,13 @@ class EngineConfig:
     attention_backend: str = _option(
         "auto", "attention implementation: auto or a backend name the engine knows (default auto)"
     )
+    grammar_timeout: float = _option(
+        10.0,
+        "a request whose structured output (JSON schema, regex, grammar) has not compiled "
+        "within this long fails alone; others never wait for a compile (default 10)",
+        type=float,
+        metavar="SECONDS",
+    )
     lpm_max_waiting: int = _option(
         128,
         "with more waiting sequences than this, admit in arrival order instead of sorting them "
@@ -147,3 +154,5 @@ class EngineConfig:
             )
         if self.max_waiting_time < 0:
             raise ValueError(f"max_waiting_time must be >= 0 seconds, got {self.max_waiting_time}")
+        if not self.grammar_timeout > 0:
+            raise ValueError(f"grammar_timeout must be > 0 seconds, got {self.grammar_timeout}")
