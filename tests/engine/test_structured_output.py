@@ -179,10 +179,12 @@ def test_structured_output_survives_preemption(checkpoints):
     ],
 )
 def test_a_constraint_that_does_not_compile_fails_its_request_alone(llm, spec):
-    with pytest.raises(ValueError, match="cannot compile the"):
-        llm.add_request("bad", [5, 6, 7], SamplingParams(structured_outputs=spec))
-    ok = _generate(llm, [PROMPTS[0]], [SamplingParams(temperature=0, max_tokens=4)])[0]
-    assert len(ok.outputs[0].token_ids) == 4
+    params = [SamplingParams(structured_outputs=spec), SamplingParams(temperature=0, max_tokens=4)]
+    bad, ok = _generate(llm, PROMPTS[:2], params)
+    assert bad.outputs[0].finish_reason == "error"
+    assert str(bad.error).startswith(f"cannot compile the {spec.key[0]} constraint: ")
+    assert (bad.error.field, bad.error.internal) == ("structured_outputs", False)
+    assert len(ok.outputs[0].token_ids) == 4 and ok.error is None
 
 
 def test_choice_must_be_non_empty_and_one_kind_at_a_time():
