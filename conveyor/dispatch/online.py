@@ -5,28 +5,37 @@ process (the embedded `conveyor serve`), through in-process queues.
 A request is one JSON message on its model's online list; a worker takes it, runs it at the
 front of its engine's queue, and pushes its answer (one message, or a stream of chunk messages
 and a last one) onto a list of the request's own, which expires if nobody reads it.
+
+A client that goes away cancels its request: it leaves the online list if no worker took it
+yet, else its id is published to every worker, and the one that runs it aborts it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections import deque
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import anyio
 import redis
 import redis.asyncio
 
+from conveyor.dispatch.online_slots import LocalSlots, OnlineSlots, RedisSlots
 from conveyor.dispatch.queues import is_redis_url
+
+log = logging.getLogger(__name__)
 
 ONLINE_PREFIX = "conveyor.online."
 REPLY_PREFIX = "conveyor.online.reply."
 REPLY_TTL = 900  # seconds an answer waits for its reader
+CANCEL_CHANNEL = "conveyor.online.cancel"  # ids of requests whose clients went away
 
 
 def online_queue(model_queue: str) -> str:
@@ -55,9 +64,15 @@ class OnlineMessage:
 
 
 class OnlineBus(Protocol):
+    slots: OnlineSlots  # each project's online sequences in flight
+
     def send(self, queue_name: str, message: OnlineMessage) -> None: ...
 
     def answers(self, message: OnlineMessage) -> AsyncIterator[dict[str, Any]]: ...
+
+    async def cancel(self, queue_name: str, message: OnlineMessage) -> None: ...
+
+    def cancellations(self, stopped: threading.Event) -> Iterator[str]: ...
 
     def take(self, queue_names: list[str], timeout: float) -> OnlineMessage | None: ...
 
@@ -79,20 +94,25 @@ class RedisBus:
         self.url = url
         self.client = redis.Redis.from_url(url)
         self._async: redis.asyncio.Redis | None = None
+        self.slots = RedisSlots(url)
+
+    def _redis(self) -> redis.asyncio.Redis:
+        if self._async is None:  # made on the event loop that uses it
+            self._async = redis.asyncio.Redis.from_url(self.url)
+        return self._async
 
     def send(self, queue_name: str, message: OnlineMessage) -> None:
         self.client.lpush(queue_name, message.dumps())
 
     async def answers(self, message: OnlineMessage) -> AsyncIterator[dict[str, Any]]:
-        if self._async is None:
-            self._async = redis.asyncio.Redis.from_url(self.url)
+        client = self._redis()
         key = REPLY_PREFIX + message.request_id
         try:
             while True:
                 left = message.deadline - time.time()
                 if left <= 0:
                     raise AnswerTimeout
-                got = await self._async.blpop([key], timeout=min(left, 30))
+                got = await client.blpop([key], timeout=min(left, 30))
                 if got is None:
                     continue
                 answer = json.loads(got[1])
@@ -100,7 +120,27 @@ class RedisBus:
                 if answer.get("last"):
                     return
         finally:
-            await self._async.delete(key)
+            await client.delete(key)
+
+    async def cancel(self, queue_name: str, message: OnlineMessage) -> None:
+        client = self._redis()
+        if not await client.lrem(queue_name, 1, message.dumps()):  # a worker has it
+            await client.publish(CANCEL_CHANNEL, message.request_id)
+
+    def cancellations(self, stopped: threading.Event) -> Iterator[str]:
+        """The ids of cancelled requests, as they come, until `stopped`; one missed while Redis
+        was away runs on until its deadline."""
+        while not stopped.is_set():
+            try:
+                with self.client.pubsub(ignore_subscribe_messages=True) as pubsub:
+                    pubsub.subscribe(CANCEL_CHANNEL)
+                    while not stopped.is_set():
+                        got = pubsub.get_message(timeout=1.0)
+                        if got is not None:
+                            yield got["data"].decode()
+            except redis.RedisError:
+                log.warning("lost the cancellations' channel; subscribing again", exc_info=True)
+                stopped.wait(1.0)
 
     def take(self, queue_names: list[str], timeout: float) -> OnlineMessage | None:
         got = self.client.brpop(queue_names, timeout=max(1, int(timeout)))
@@ -120,6 +160,39 @@ class RedisBus:
         """Nothing to say: a worker takes from Redis lists by name."""
 
 
+class Replies:
+    """One request's answers: put from a worker's thread, awaited on the API's event loop
+    without holding a thread while waiting."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.items: deque[dict[str, Any]] = deque()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.ready: asyncio.Event | None = None
+
+    def put(self, answer: dict[str, Any]) -> None:
+        with self.lock:
+            self.items.append(answer)
+            loop, ready = self.loop, self.ready
+        if loop is not None and ready is not None:
+            loop.call_soon_threadsafe(ready.set)
+
+    async def get(self, timeout: float) -> dict[str, Any]:
+        """The next answer; TimeoutError when none came within `timeout` seconds."""
+        with self.lock:
+            if self.ready is None:
+                self.loop, self.ready = asyncio.get_running_loop(), asyncio.Event()
+            ready = self.ready
+        while True:
+            with self.lock:
+                if self.items:
+                    return self.items.popleft()
+                # a put after this clear sets it again: its set runs on this loop, later
+                ready.clear()
+            async with asyncio.timeout(timeout):
+                await ready.wait()
+
+
 class LocalBus:
     """The bus inside one process: for the embedded service, whose worker runs in the API's
     process and whose broker is no Redis."""
@@ -127,16 +200,18 @@ class LocalBus:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.requests: dict[str, queue.Queue[OnlineMessage]] = {}
-        self.replies: dict[str, queue.Queue[dict[str, Any]]] = {}
+        self.replies: dict[str, Replies] = {}
         self.consumers: dict[str, int] = {}
+        self.cancel_feeds: list[queue.SimpleQueue[str]] = []
+        self.slots = LocalSlots()
 
     def _queue(self, name: str) -> queue.Queue[OnlineMessage]:
         with self.lock:
             return self.requests.setdefault(name, queue.Queue())
 
-    def _reply_queue(self, request_id: str) -> queue.Queue[dict[str, Any]]:
+    def _reply_queue(self, request_id: str) -> Replies:
         with self.lock:
-            return self.replies.setdefault(request_id, queue.Queue())
+            return self.replies.setdefault(request_id, Replies())
 
     def consume(self, queue_names: Iterable[str]) -> None:
         """A worker of this process takes from these queues."""
@@ -156,8 +231,8 @@ class LocalBus:
                 if left <= 0:
                     raise AnswerTimeout
                 try:
-                    answer = await anyio.to_thread.run_sync(replies.get, True, min(left, 1.0))
-                except queue.Empty:
+                    answer = await replies.get(left)
+                except TimeoutError:
                     continue
                 yield answer
                 if answer.get("last"):
@@ -165,6 +240,34 @@ class LocalBus:
         finally:
             with self.lock:
                 self.replies.pop(message.request_id, None)
+
+    async def cancel(self, queue_name: str, message: OnlineMessage) -> None:
+        waiting = self._queue(queue_name)
+        with waiting.mutex:  # not taken yet: it leaves the queue
+            try:
+                waiting.queue.remove(message)
+                return
+            except ValueError:
+                pass
+        with self.lock:
+            feeds = list(self.cancel_feeds)
+        for feed in feeds:
+            feed.put(message.request_id)
+
+    def cancellations(self, stopped: threading.Event) -> Iterator[str]:
+        feed: queue.SimpleQueue[str] = queue.SimpleQueue()
+        with self.lock:
+            self.cancel_feeds.append(feed)
+        try:
+            while not stopped.is_set():
+                try:
+                    request_id = feed.get(timeout=1.0)
+                except queue.Empty:
+                    continue
+                yield request_id
+        finally:
+            with self.lock:
+                self.cancel_feeds.remove(feed)
 
     def take(self, queue_names: list[str], timeout: float) -> OnlineMessage | None:
         deadline = time.monotonic() + timeout
