@@ -2,7 +2,7 @@
 
 Engine counters and gauges are read from the engine's own stats at scrape time; request
 latencies are observed as each request finishes; the result writer reports how long rows wait
-before they are committed.
+before they are committed; the online server counts the requests it aborts.
 """
 
 from __future__ import annotations
@@ -10,12 +10,22 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+# one per process, as the online server is: counted from its threads, served by the registry of
+# the process's worker
+ONLINE_ABORTS = Counter(
+    "conveyor:online_aborts",
+    "Online requests stopped in the engine before they finished: their client went away "
+    "(reason=disconnect) or their deadline passed (reason=deadline).",
+    ["model_name", "reason"],
+    registry=None,
+)
 
 
 class EngineCollector(Collector):
@@ -62,7 +72,9 @@ class WorkerMetrics:
     def __init__(self, engine: Any, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        self.registry.register(EngineCollector(engine, model_name))
+        self.engine_collector = EngineCollector(engine, model_name)
+        self.registry.register(self.engine_collector)
+        self.registry.register(ONLINE_ABORTS)
         labels = ["model_name"]
         self.ttft = Histogram(
             "conveyor:time_to_first_token_seconds",
@@ -92,6 +104,10 @@ class WorkerMetrics:
             registry=self.registry,
         )
 
+
+    def use_engine(self, engine: Any) -> None:
+        """Read the engine's stats from `engine` from now on (a new one after a failure)."""
+        self.engine_collector.engine = engine
     def observe_request(self, output: Any) -> None:
         metrics = getattr(output, "metrics", None)
         if metrics is None:

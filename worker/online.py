@@ -4,7 +4,11 @@ engine's queue (ahead of batch work), answered through the bus while the client 
 Completions and chat completions are checked and answered with the batch lines' own code
 (`conveyor.batch_format`): the same bodies, the same response objects. Tokenizing answers
 at once from this thread. Answers go out from a thread of their own, so the engine's loop never
-waits on the bus.
+waits on the bus, and cancellations (a client that went away) come in on another, so that its
+sequences are aborted before the engine's next step, not when this thread next looks.
+
+A 500 says only "internal error" and the request's id, which the worker's log line carries with
+the details; a 4xx names the field at fault.
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from pydantic import ValidationError
+
 from conveyor.batch_format.bodies import CHAT_URL, COMPLETIONS_URL, DetokenizeBody, TokenizeBody
 from conveyor.batch_format.errors import (
     INTERNAL_ERROR,
     INVALID_REQUEST,
+    MODEL_UNAVAILABLE,
     BatchRequestError,
     classify_engine_error,
 )
@@ -35,11 +42,16 @@ from conveyor.batch_format.token_text import TokenDecoder
 from conveyor.dispatch.online import OnlineBus, OnlineMessage
 from conveyor.engine_request import prepare_request
 from worker.engine_service import EngineJob, EngineService
+from worker.metrics import ONLINE_ABORTS
 
 log = logging.getLogger(__name__)
 
 ONLINE_PRIORITY = 0  # ahead of batch work
+ENGINE_FAILED = "the engine failed while running this request; retry it"
 URLS = {"completion": COMPLETIONS_URL, "chat": CHAT_URL}
+# how long a cancellation of a request this worker has not seen is kept: it may have taken the
+# request a moment before, and be about to start it
+EARLY_CANCEL_SECONDS = 60.0
 
 
 @dataclass
@@ -75,12 +87,28 @@ class OnlineServer(threading.Thread):
         self.outbox: queue.SimpleQueue[tuple[str, dict[str, Any]]] = queue.SimpleQueue()
         self.sender = threading.Thread(target=self._send, name="conveyor-online-answers")
         self.sender.daemon = True
+        self.canceller = threading.Thread(target=self._take_cancels, name="conveyor-online-cancels")
+        self.canceller.daemon = True
+        self.early_cancels: dict[str, float] = {}  # request id -> when its cancel came
 
     def stop(self) -> None:
         self.stopped.set()
 
+    def fail_in_flight(self) -> None:
+        """The engine failed: answer the requests that were in it with an error to retry."""
+        with self.lock:
+            calls = list(self.calls.values())
+        for call in calls:
+            log.warning("online request %s: the engine failed under it", call.message.request_id)
+            self._finish(call, error_answer(503, ENGINE_FAILED, MODEL_UNAVAILABLE))
+
+    def use_engine(self, service: EngineService, engine: Any) -> None:
+        """Run online requests on a new engine (the last one failed)."""
+        self.service, self.engine = service, engine
+
     def run(self) -> None:
         self.sender.start()
+        self.canceller.start()
         while not self.stopped.is_set():
             try:
                 message = self.bus.take(self.queue_names, timeout=1.0)
@@ -91,6 +119,7 @@ class OnlineServer(threading.Thread):
             if message is not None:
                 self._handle(message)
             self._abort_overdue()
+            self._forget_early_cancels()
 
     # ---- requests --------------------------------------------------------------------------
     def _handle(self, message: OnlineMessage) -> None:
@@ -102,10 +131,13 @@ class OnlineServer(threading.Thread):
             else:
                 self._answer(message, self._tokenizer_answer(message))
         except BatchRequestError as err:
-            self._answer(message, error_answer(err.status_code, err.detail, err.code, err.param))
-        except Exception as err:
+            param = err.param.removeprefix("body.") if err.param else None
+            self._answer(message, error_answer(err.status_code, err.detail, err.code, param))
+        except ValidationError as err:
+            self._answer(message, invalid_body_answer(err))
+        except Exception:
             log.exception("online request %s failed", message.request_id)
-            self._answer(message, error_answer(500, f"{type(err).__name__}: {err}", INTERNAL_ERROR))
+            self._answer(message, internal_error_answer(message.request_id))
 
     def _start(self, message: OnlineMessage) -> None:
         online = parse_online_body(
@@ -133,17 +165,22 @@ class OnlineServer(threading.Thread):
                 )
             )
         with self.lock:
+            if self.early_cancels.pop(message.request_id, None) is not None:
+                return  # its client left while it was on its way here
             self.calls[message.request_id] = call
         self.service.submit(jobs)
 
     def _tokenizer_answer(self, message: OnlineMessage) -> dict[str, Any]:
         tokenizer = getattr(self.engine, "tokenizer", None)
         if tokenizer is None or not hasattr(tokenizer, "encode"):
-            raise BatchRequestError("this model has no tokenizer", code=INVALID_REQUEST)
+            raise BatchRequestError(
+                "this model has no tokenizer", code=INVALID_REQUEST, param="model"
+            )
         if message.kind == "tokenizer_info":
             return {"status": 200, "body": tokenizer_info(tokenizer, self.engine)}
         if message.kind == "detokenize":
             body = DetokenizeBody.model_validate(message.body)
+            check_token_ids(body.tokens, vocabulary_size(self.engine, tokenizer))
             return {"status": 200, "body": {"prompt": tokenizer.decode(body.tokens)}}
         body = TokenizeBody.model_validate(message.body)
         if body.messages is not None:
@@ -166,9 +203,11 @@ class OnlineServer(threading.Thread):
     # ---- outputs (called from the engine's thread) -----------------------------------------
     def _on_output(self, call: _Call, prompt: int, output: Any) -> None:
         if call.over:
+            if not getattr(output, "finished", True):  # its abort came before the engine had it
+                self.service.abort([call.engine_ids[prompt]])
             return
-        if getattr(output, "error", None):
-            self._finish(call, error_answer(500, f"the engine failed: {output.error}"))
+        if error := getattr(output, "error", None):
+            self._finish(call, self._failure_answer(call, error))
             return
         finished = getattr(output, "finished", True)
         if finished:
@@ -194,10 +233,30 @@ class OnlineServer(threading.Thread):
 
     def _on_error(self, call: _Call, err: Exception) -> None:
         if isinstance(err, ValueError):  # the engine's word that the request is bad
-            code, param = classify_engine_error(str(err), call.message.kind == "chat")
-            self._finish(call, error_answer(400, str(err), code, param.removeprefix("body.")))
+            field = getattr(err, "field", None)
+            self._finish(call, self._bad_request_answer(call, str(err), field))
         else:
-            self._finish(call, error_answer(500, f"{type(err).__name__}: {err}", INTERNAL_ERROR))
+            log.error(
+                "online request %s failed in the engine",
+                call.message.request_id,
+                exc_info=(type(err), err, err.__traceback__),
+            )
+            self._finish(call, internal_error_answer(call.message.request_id))
+
+    def _failure_answer(self, call: _Call, error: Any) -> dict[str, Any]:
+        """The answer to an output the engine gave up on: a failure of the request's own (the
+        engine's `RequestFailure` with `internal` False) is a 400; anything else a 500."""
+        if not getattr(error, "internal", True):
+            return self._bad_request_answer(call, str(error), getattr(error, "field", None))
+        log.error("online request %s failed in the engine: %s", call.message.request_id, error)
+        return internal_error_answer(call.message.request_id)
+
+    def _bad_request_answer(self, call: _Call, message: str, field: str | None) -> dict[str, Any]:
+        chat = call.message.kind == "chat"
+        code, param = classify_engine_error(message, chat)
+        if field:
+            param = "messages" if chat and field == "prompt" else field
+        return error_answer(400, message, code, param.removeprefix("body."))
 
     def _finish(self, call: _Call, answer: dict[str, Any]) -> None:
         call.over = True
@@ -216,10 +275,42 @@ class OnlineServer(threading.Thread):
             overdue = [c for c in self.calls.values() if c.message.deadline <= now]
         for call in overdue:
             log.warning("online request %s ran past its deadline", call.message.request_id)
-            call.over = True
-            with self.lock:
-                self.calls.pop(call.message.request_id, None)
-            self.service.abort(call.engine_ids)
+            self._abort(call, "deadline")
+
+    def _abort(self, call: _Call, reason: str) -> None:
+        call.over = True
+        with self.lock:
+            if self.calls.pop(call.message.request_id, None) is None:
+                return  # it finished meanwhile
+        self.service.abort(call.engine_ids)
+        ONLINE_ABORTS.labels(call.model, reason).inc()
+
+    # ---- cancellations (from their own thread) ---------------------------------------------
+    def _take_cancels(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                for request_id in self.bus.cancellations(self.stopped):
+                    self._cancel(request_id)
+            except Exception:  # the bus is away: listen again in a moment
+                log.warning("could not take cancellations; retrying", exc_info=True)
+                self.stopped.wait(1.0)
+
+    def _cancel(self, request_id: str) -> None:
+        """The client of `request_id` went away: stop its sequences (every worker of the model
+        hears of it; only the one that runs it has it)."""
+        with self.lock:
+            call = self.calls.get(request_id)
+            if call is None:
+                self.early_cancels[request_id] = time.monotonic()
+                return
+        log.info("online request %s: its client went away; aborted", request_id)
+        self._abort(call, "disconnect")
+
+    def _forget_early_cancels(self) -> None:
+        cutoff = time.monotonic() - EARLY_CANCEL_SECONDS
+        with self.lock:
+            for request_id in [r for r, t in self.early_cancels.items() if t < cutoff]:
+                del self.early_cancels[request_id]
 
     # ---- answers ---------------------------------------------------------------------------
     def _answer(self, message: OnlineMessage, answer: dict[str, Any]) -> None:
@@ -244,6 +335,41 @@ def error_answer(
         "status": status,
         "body": {"error": {"message": message, "type": kind, "param": param, "code": code}},
     }
+
+
+def internal_error_answer(request_id: str) -> dict[str, Any]:
+    """A 500 that tells nothing of the code, only the id that finds the worker's log line."""
+    return error_answer(500, f"internal error (request id {request_id})", INTERNAL_ERROR)
+
+
+def invalid_body_answer(err: ValidationError) -> dict[str, Any]:
+    first = err.errors(include_url=False)[0]
+    param = ".".join(str(p) for p in first.get("loc", ())) or None
+    reason = str(first.get("msg", "is invalid")).removeprefix("Value error, ")
+    return error_answer(400, f"{param or 'the body'}: {reason}", INVALID_REQUEST, param)
+
+
+def vocabulary_size(engine: Any, tokenizer: Any) -> int | None:
+    """The model's vocabulary size, else the tokenizer's; None when neither says (the echo
+    engine)."""
+    size = getattr(engine, "vocab_size", None)
+    if isinstance(size, int):
+        return size
+    try:
+        return len(tokenizer)
+    except TypeError:
+        return None
+
+
+def check_token_ids(tokens: list[int], vocab_size: int | None) -> None:
+    """400 naming `tokens` for an id outside the vocabulary (or past any tokenizer's ids)."""
+    limit = vocab_size if vocab_size is not None else 2**31
+    for token in tokens:
+        if not 0 <= token < limit:
+            where = f"[0, {vocab_size})" if vocab_size is not None else "the vocabulary"
+            raise BatchRequestError(
+                f"token id {token} is outside {where}", code=INVALID_REQUEST, param="tokens"
+            )
 
 
 def tokenizer_info(tokenizer: Any, engine: Any) -> dict[str, Any]:

@@ -1,0 +1,212 @@
+"""The worker's online server on its own (an in-process bus, a recording engine service): a
+cancelled request's sequences are aborted and counted, a 500 tells only "internal error" and the
+request's id, and every 400 names its field."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from conveyor.batch_format.token_text import TokenDecoder
+from conveyor.dispatch.online import LocalBus, OnlineMessage
+from engine.outputs import RequestOutput
+from worker.echo import EchoEngine
+from worker.engine_service import EngineJob
+from worker.metrics import ONLINE_ABORTS
+from worker.online import OnlineServer
+
+QUEUE = "conveyor.online.test"
+
+
+@dataclass
+class RecordingService:
+    """Stands in for the engine service: keeps what it is given."""
+
+    jobs: list[EngineJob] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+
+    def submit(self, jobs: list[EngineJob]) -> None:
+        self.jobs.extend(jobs)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.aborted.extend(request_ids)
+
+
+class VocabTokenizer:
+    """A tokenizer of 100 ids whose `decode` fails on a given id, as a library's would."""
+
+    def __init__(self, failing: int | None = None) -> None:
+        self.failing = failing
+
+    def encode(self, text: str) -> list[int]:
+        return [1]
+
+    def decode(self, ids: list[int], **_: Any) -> str:
+        if self.failing in ids:
+            raise RuntimeError("tokenizers.PanicException at src/lib.rs:42")
+        return " ".join(map(str, ids))
+
+
+class NoVocabularySize(EchoEngine):
+    """An engine that does not say its vocabulary's size, with a tokenizer that cannot tell."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokenizer = VocabTokenizer()
+
+
+class ModelLike(NoVocabularySize):
+    vocab_size = 100
+
+
+def wait_until(check, timeout: float = 5) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def answer_of(bus: LocalBus, message: OnlineMessage) -> dict:
+    async def last() -> dict:
+        async for answer in bus.answers(message):
+            if answer.get("last"):
+                return answer
+        raise AssertionError("no last answer")
+
+    return asyncio.run(last())
+
+
+@pytest.fixture
+def served(request):
+    engine = getattr(request, "param", None) or ModelLike()
+    bus, service = LocalBus(), RecordingService()
+    server = OnlineServer(bus, [QUEUE], service, engine, TokenDecoder(engine.tokenizer), None)
+    server.start()
+    yield bus, service, server
+    server.stop()
+
+
+def completion(**body: Any) -> OnlineMessage:
+    body = {"model": "m", "prompt": "a b c", "max_tokens": 4, **body}
+    return OnlineMessage("completion", body, time.time() + 60)
+
+
+def aborts(reason: str) -> float:
+    return ONLINE_ABORTS.labels("m", reason)._value.get()
+
+
+def test_a_cancelled_request_is_aborted_and_counted(served):
+    bus, service, _ = served
+    before = aborts("disconnect")
+    message = completion(prompt=["one", "two"], stream=True)
+    bus.send(QUEUE, message)
+    wait_until(lambda: len(service.jobs) == 2)
+    asyncio.run(bus.cancel(QUEUE, message))
+    wait_until(lambda: len(service.aborted) == 2)
+    assert service.aborted == [job.request_id for job in service.jobs]
+    assert aborts("disconnect") == before + 1
+
+
+def test_a_request_cancelled_before_a_worker_took_it_never_starts(served):
+    bus, service, server = served
+    server.stop()  # takes nothing more
+    server.join(timeout=5)
+    message = completion()
+    bus.send(QUEUE, message)
+    asyncio.run(bus.cancel(QUEUE, message))
+    assert bus.take([QUEUE], timeout=0.1) is None
+
+
+def test_a_cancel_that_overtakes_its_request_stops_it_from_starting(served):
+    _, service, server = served
+    message = completion()
+    server._cancel(message.request_id)  # heard of before the request is started
+    server._handle(message)
+    assert service.jobs == []
+
+
+def test_an_output_after_the_abort_is_aborted_again(served):
+    bus, service, _ = served
+    message = completion(stream=True)
+    bus.send(QUEUE, message)
+    wait_until(lambda: len(service.jobs) == 1)
+    asyncio.run(bus.cancel(QUEUE, message))
+    wait_until(lambda: len(service.aborted) == 1)
+    job = service.jobs[0]
+    job.on_partial(RequestOutput(job.request_id, "a", [1], None, [], finished=False))
+    assert service.aborted == [job.request_id, job.request_id]
+
+
+@pytest.mark.parametrize("tokens", [[5, 100], [10**12], [2**70]])
+def test_detokenize_refuses_ids_outside_the_vocabulary(served, tokens):
+    bus, _, _ = served
+    message = OnlineMessage("detokenize", {"tokens": tokens}, time.time() + 60)
+    bus.send(QUEUE, message)
+    answer = answer_of(bus, message)
+    assert answer["status"] == 400
+    assert answer["body"]["error"]["param"] == "tokens"
+
+
+@pytest.mark.parametrize("served", [NoVocabularySize()], indirect=True)
+def test_detokenize_without_a_vocabulary_size_still_refuses_huge_ids(served):
+    bus, _, _ = served
+    message = OnlineMessage("detokenize", {"tokens": [2**70]}, time.time() + 60)
+    bus.send(QUEUE, message)
+    assert answer_of(bus, message)["body"]["error"]["param"] == "tokens"
+    fine = OnlineMessage("detokenize", {"tokens": [7, 8]}, time.time() + 60)
+    bus.send(QUEUE, fine)
+    assert answer_of(bus, fine) == {"status": 200, "body": {"prompt": "7 8"}, "last": True}
+
+
+def test_a_500_tells_the_request_id_and_no_internals(served, caplog):
+    bus, _, server = served
+    server.engine.tokenizer = VocabTokenizer(failing=13)
+    message = OnlineMessage("detokenize", {"tokens": [13]}, time.time() + 60)
+    with caplog.at_level(logging.ERROR, logger="worker.online"):
+        bus.send(QUEUE, message)
+        answer = answer_of(bus, message)
+    error = answer["body"]["error"]
+    assert answer["status"] == 500 and error["code"] == "internal_error"
+    assert error["message"] == f"internal error (request id {message.request_id})"
+    assert message.request_id in caplog.text and "PanicException" in caplog.text
+
+
+@dataclass
+class Failure:
+    """The engine's `RequestFailure`, as `RequestOutput.error` carries it."""
+
+    message: str
+    field: str | None = None
+    internal: bool = True
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "param"),
+    [
+        (Failure("top_k must be at least -1", "top_k", internal=False), 400, "top_k"),
+        (Failure("prompt token id 7 is outside the vocabulary", "prompt", False), 400, "prompt"),
+        (Failure("IndexError: index 9 is out of bounds"), 500, None),
+        ("IndexError: index 9 is out of bounds", 500, None),  # the error as a plain string
+    ],
+)
+def test_an_output_with_an_error_answers_by_its_kind(served, error, status, param):
+    bus, service, _ = served
+    message = completion()
+    bus.send(QUEUE, message)
+    wait_until(lambda: len(service.jobs) == 1)
+    job = service.jobs[0]
+    output = RequestOutput(job.request_id, "", [], None, [], finished=True)
+    output.error = error
+    job.on_done(output)
+    answer = answer_of(bus, message)
+    assert answer["status"] == status
+    assert answer["body"]["error"]["param"] == param
+    assert "IndexError" not in answer["body"]["error"]["message"]
