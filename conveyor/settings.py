@@ -75,6 +75,11 @@ class Settings:
     log_format: str = "text"  # or "json": one object per line, with batch/shard/request ids
     # a shard whose worker failed this many times while running it is not run again
     max_shard_attempts: int = 3
+    # one online request: prompts in a completion's list (OpenAI's limit), and prompts × n;
+    # one project: online sequences (prompts × n) in flight at once. 0: no limit
+    max_online_prompts: int = 2048
+    max_online_request_sequences: int = 4096
+    max_online_sequences: int = 8192
 
     def __post_init__(self) -> None:
         if self.auth not in AUTH_MODES:
@@ -96,6 +101,9 @@ class Settings:
             ) from None
         if self.max_json_body_bytes < 1:
             raise ValueError("CONVEYOR_MAX_JSON_BODY_BYTES must be at least 1")
+        for name in ("max_online_prompts", "max_online_request_sequences", "max_online_sequences"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"CONVEYOR_{name.upper()} must be 0 (no limit) or more")
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -124,6 +132,9 @@ class Settings:
             log_format=(os.environ.get("CONVEYOR_LOG_FORMAT") or "text").strip().lower(),
             max_shard_attempts=_env_int("CONVEYOR_MAX_SHARD_ATTEMPTS", 3),
             online_timeout=_env_float("CONVEYOR_ONLINE_TIMEOUT", 600.0),
+            max_online_prompts=_env_int("CONVEYOR_MAX_ONLINE_PROMPTS", 2048),
+            max_online_request_sequences=_env_int("CONVEYOR_MAX_ONLINE_REQUEST_SEQUENCES", 4096),
+            max_online_sequences=_env_int("CONVEYOR_MAX_ONLINE_SEQUENCES", 8192),
         )
 
     @property

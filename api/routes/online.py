@@ -5,6 +5,8 @@ by the workers that run batches, in the same continuous batches and ahead of the
 Bodies are checked as batch lines' bodies are (`conveyor.batch_format`), and answered with the
 same response objects. An unknown model is a 404 `model_not_found` at once, a model no live
 worker serves a 503, and an answer that does not come within `CONVEYOR_ONLINE_TIMEOUT` a 504.
+Completions are held to the limits of `api.online_limits` (400, or 429 for a project with too
+many sequences in flight), and a client that goes away cancels its work in the worker.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body
+from fastapi import APIRouter, Body, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from sqlalchemy import select
 from starlette.responses import Response
@@ -25,6 +27,8 @@ from api import schemas
 from api.deps import AppState, ProjectDep, StateDep
 from api.errors import APIError
 from api.guard import KeyedRoute
+from api.online_lease import LeasedStream, OnlineLease, unless_gone
+from api.online_limits import check_prompt_count, check_sequences, sequences_of
 from conveyor.batch_format.bodies import CHAT_URL, COMPLETIONS_URL, DetokenizeBody, TokenizeBody
 from conveyor.batch_format.errors import (
     INVALID_REQUEST,
@@ -47,6 +51,7 @@ ANSWERS = {
         "content": {"application/json": {}, "text/event-stream": {}},
     },
     **ONLINE_ERRORS,
+    **schemas.error_responses(429),
 }
 
 router = APIRouter(
@@ -58,13 +63,17 @@ Json = Annotated[dict[str, Any], Body(description="as OpenAI's API takes it")]
 
 
 @router.post("/completions", response_model=None, responses=ANSWERS)
-async def completions(body: Json, state: StateDep, project: ProjectDep) -> Response:
-    return await _complete(state, project, "completion", body)
+async def completions(
+    body: Json, state: StateDep, project: ProjectDep, request: Request
+) -> Response:
+    return await _complete(state, project, "completion", body, request)
 
 
 @router.post("/chat/completions", response_model=None, responses=ANSWERS)
-async def chat_completions(body: Json, state: StateDep, project: ProjectDep) -> Response:
-    return await _complete(state, project, "chat", body)
+async def chat_completions(
+    body: Json, state: StateDep, project: ProjectDep, request: Request
+) -> Response:
+    return await _complete(state, project, "chat", body, request)
 
 
 @tokenizer.post("/tokenize", response_model=None, responses=ONLINE_ERRORS)
@@ -88,17 +97,31 @@ async def tokenizer_info(state: StateDep, project: ProjectDep, model: str | None
     return await _ask(state, project, "tokenizer_info", {"model": model}, model)
 
 
-async def _complete(state: AppState, project: str, kind: str, body: dict[str, Any]) -> Response:
+async def _complete(
+    state: AppState, project: str, kind: str, body: dict[str, Any], request: Request
+) -> Response:
+    settings = state.settings
     url = CHAT_URL if kind == "chat" else COMPLETIONS_URL
+    check_prompt_count(body, settings)
     try:
-        online = parse_online_body(url, body, max_tokens_cap=state.settings.max_tokens_cap or None)
+        online = parse_online_body(url, body, max_tokens_cap=settings.max_tokens_cap or None)
     except BatchRequestError as err:
         raise _online_error(err) from None
+    check_sequences(online, settings)
     queue = await _queue_of(state, online.model)
-    message = _send(state, queue, kind, body, project)
+    lease = await OnlineLease.take(state.online, settings, project, sequences_of(online))
+    try:
+        message = _send(state, queue, kind, body, project)
+    except BaseException:
+        await lease.close()
+        raise
+    lease.sent(queue, message)
     if online.stream:
-        return StreamingResponse(_events(state, message), media_type="text/event-stream")
-    return await _one_answer(state, message)
+        return LeasedStream(_events(state, message, lease), lease)
+    try:
+        return await unless_gone(request, _one_answer(state, message, lease))
+    finally:
+        await lease.close()
 
 
 async def _ask(
@@ -117,21 +140,28 @@ def _send(
     return message
 
 
-async def _one_answer(state: AppState, message: OnlineMessage) -> Response:
+async def _one_answer(
+    state: AppState, message: OnlineMessage, lease: OnlineLease | None = None
+) -> Response:
     try:
         async for answer in state.online.answers(message):
             if answer.get("last"):
+                if lease is not None:
+                    lease.answered = True
                 return JSONResponse(answer["body"], status_code=answer["status"])
     except AnswerTimeout:
         raise _timeout(state) from None
     raise APIError(502, "the worker's answer ended early", type="server_error")
 
 
-async def _events(state: AppState, message: OnlineMessage) -> AsyncIterator[bytes]:
+async def _events(
+    state: AppState, message: OnlineMessage, lease: OnlineLease
+) -> AsyncIterator[bytes]:
     """The answer's chunks as server-sent events; an error after the stream began is one
     more event holding it."""
     try:
         async for answer in state.online.answers(message):
+            lease.answered = bool(answer.get("last"))
             for chunk in answer.get("chunks", ()):
                 yield _event(chunk)
             if answer.get("status", 200) >= 400:

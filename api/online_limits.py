@@ -1,0 +1,71 @@
+"""The limits on online work, checked in the API before a request reaches a worker: prompts in
+one request, sequences (prompts × n) in one request, and one project's sequences in flight.
+
+An online request goes ahead of every batch in the engine, so without them one request, or one
+project's many, could keep every batch waiting.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from api.errors import APIError
+from conveyor.batch_format.errors import INVALID_REQUEST
+from conveyor.batch_format.request_line import OnlineRequest
+from conveyor.settings import Settings
+
+RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"  # OpenAI's code for a 429
+RETRY_AFTER_SECONDS = 2
+
+
+def check_prompt_count(body: dict[str, Any], settings: Settings) -> None:
+    """400 naming `prompt` for a completion with more prompts than allowed: read from the raw
+    body, so that an oversized list is refused before each of its prompts is checked."""
+    limit = settings.max_online_prompts
+    prompt = body.get("prompt")
+    if not limit or not isinstance(prompt, list) or not prompt or isinstance(prompt[0], int):
+        return  # one prompt (text or token ids), or none: the body's checks say what is wrong
+    if len(prompt) > limit:
+        raise APIError(
+            400,
+            f"prompt: {len(prompt)} prompts in one request, more than the {limit} allowed "
+            "(CONVEYOR_MAX_ONLINE_PROMPTS); split them over several requests, or send them "
+            "as a batch",
+            code=INVALID_REQUEST,
+            param="prompt",
+        )
+
+
+def sequences_of(online: OnlineRequest) -> int:
+    return len(online.requests) * online.n
+
+
+def check_sequences(online: OnlineRequest, settings: Settings) -> None:
+    """400 naming `n` for a request whose prompts × n are more sequences than one request may
+    ask for, or than its project may ever have in flight."""
+    asked = sequences_of(online)
+    for limit, name in (
+        (settings.max_online_request_sequences, "CONVEYOR_MAX_ONLINE_REQUEST_SEQUENCES"),
+        (settings.max_online_sequences, "CONVEYOR_MAX_ONLINE_SEQUENCES"),
+    ):
+        if limit and asked > limit:
+            raise APIError(
+                400,
+                f"n: {online.n} samples of each of {len(online.requests)} prompts make "
+                f"{asked} sequences, more than the {limit} one request may ask for ({name}); "
+                "ask for fewer samples or prompts per request",
+                code=INVALID_REQUEST,
+                param="n",
+            )
+
+
+def too_many_in_flight(limit: int) -> APIError:
+    return APIError(
+        429,
+        f"this project already has close to {limit} online sequences in flight "
+        "(CONVEYOR_MAX_ONLINE_SEQUENCES); retry when some have finished, or send the work "
+        "as a batch",
+        code=RATE_LIMIT_EXCEEDED,
+        type="requests",
+        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+    )
