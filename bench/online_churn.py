@@ -1,0 +1,254 @@
+"""A batch while online clients come and go: the same batch runs once quietly and once while
+50 clients open streamed completions and hang up after two chunks, in a loop (bounded in count
+and time, loopback only). An aborted stream should cost the engine a prefill and a token or
+two, so the goal is the batch's throughput within 10% of the quiet run's. Then the abort
+latency: from a client's hang-up to its sequence gone from the engine (the worker's
+`conveyor:num_requests_running` back to 0, polled every few milliseconds).
+
+    python bench/online_churn.py                  # 50 clients, a 2048-request batch
+    python bench/online_churn.py --clients 20 --requests 256
+
+Starts its own API and worker (a tiny random Llama on this machine's CPU) on a fresh
+PostgreSQL database (DATABASE_URL, default the local server) and a throwaway redis-server.
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import date
+from pathlib import Path
+
+import httpx
+from machine import git_state, loadavg, process_cpu_seconds
+from prometheus_client.parser import text_string_to_metric_families
+from report import print_result
+
+from conveyor.demo_model import write_tiny_model
+from conveyor.settings import normalize_database_url
+from conveyor.testing import (
+    LocalRedis,
+    Stack,
+    batch_lines,
+    free_port,
+    service_env,
+    submit_batch,
+    wait_for,
+    write_jsonl,
+)
+from conveyor.testing.databases import migrate, scratch_database
+from conveyor.testing.servers import postgres_server, throwaway
+
+GOAL_RATIO = 0.9
+NOTABLE_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+RUNNING = "conveyor:num_requests_running"
+ABORTS = "conveyor:online_aborts_total"
+PREEMPTIONS = "conveyor:num_preemptions_total"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--clients", type=int, default=50)
+    ap.add_argument("--requests", type=int, default=2048, help="requests in the batch")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per batch request")
+    ap.add_argument("--max-drops", type=int, default=5000, help="hang-ups at most, all clients")
+    ap.add_argument("--max-seconds", type=float, default=300, help="per run of the batch")
+    ap.add_argument("--latency-samples", type=int, default=20)
+    return ap.parse_args(argv)
+
+
+def cpu_isa() -> str:
+    """The CPU's notable vector extensions (lscpu's flags), e.g. `avx2 avx512f avx512_bf16`."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                  if line.startswith("flags")), [])  # fmt: skip
+    return " ".join(f for f in NOTABLE_FLAGS if f in flags) or "none of " + ",".join(NOTABLE_FLAGS)
+
+
+@contextmanager
+def deployment() -> Iterator[Stack]:
+    with (
+        tempfile.TemporaryDirectory(prefix="conveyor-churn-") as tmp,
+        postgres_server() as server,
+        scratch_database(server, "conveyor_churn_") as db_url,
+        throwaway(LocalRedis, "conveyor-redis-") as redis_server,
+    ):
+        migrate(db_url)
+        root = Path(tmp)
+        env = service_env(normalize_database_url(db_url), redis_server.url, root)
+        env.update(CONVEYOR_SHARD_SIZE="32", CONVEYOR_VISIBILITY_TIMEOUT="600")
+        stack = Stack(env=env, root=root)
+        try:
+            yield stack
+        finally:
+            stack.stop()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """{sample name: value summed over its labels}"""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+        for s in family.samples:
+            totals[s.name] = totals.get(s.name, 0.0) + s.value
+    return totals
+
+
+def stream_body(tag: str) -> dict:
+    prompt = f"Client {tag}: tell a long story about the sea and the ships on it"
+    return {"model": "tiny", "prompt": prompt, "max_tokens": 500, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+
+
+def drop_stream(client: httpx.Client, tag: str) -> float:
+    """Opens a streamed completion, reads two chunks, hangs up (closing a response before its
+    end closes its connection); the time of the hang-up."""
+    with client.stream("POST", "/v1/completions", json=stream_body(tag)) as r:
+        r.raise_for_status()
+        events = (line for line in r.iter_lines() if line.startswith("data: "))
+        next(events), next(events)
+        hung_up = time.perf_counter()
+    return hung_up
+
+
+class Churn:
+    """`clients` threads that drop streams in a loop until stopped or `max_drops` in all."""
+
+    def __init__(self, api: str, clients: int, max_drops: int) -> None:
+        self.api, self.max_drops = api, max_drops
+        self.stopped = threading.Event()
+        self.lock = threading.Lock()
+        self.drops = self.errors = 0
+        self.threads = [threading.Thread(target=self._client, args=(i,)) for i in range(clients)]
+
+    def _client(self, i: int) -> None:
+        with httpx.Client(base_url=self.api, timeout=60) as client:
+            self._loop(client, i)
+
+    def _loop(self, client: httpx.Client, i: int) -> None:
+        k = 0
+        while not self.stopped.is_set():
+            with self.lock:
+                if self.drops + self.errors >= self.max_drops:
+                    return
+            try:
+                drop_stream(client, f"{i}-{k}")
+                with self.lock:
+                    self.drops += 1
+            except (httpx.HTTPError, StopIteration):
+                with self.lock:
+                    self.errors += 1
+            k += 1
+
+    def __enter__(self) -> Churn:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stopped.set()
+        for t in self.threads:
+            t.join(timeout=60)
+
+
+def run_batch(stack: Stack, tag: str, args: argparse.Namespace) -> dict:
+    """The batch, submitted and waited for: its wall time and generated tokens per second, and
+    the cores the API and the clients (this process) took from the machine meanwhile."""
+    cpu = {name: process_cpu_seconds(pid) or 0.0 for name, pid in pids(stack).items()}
+    lines = batch_lines(args.requests, prefix=tag, max_tokens=args.max_tokens)
+    for line in lines:
+        line["body"]["ignore_eos"] = True  # every run generates the same tokens
+    path = write_jsonl(stack.root / f"{tag}.jsonl", lines)
+    started = time.perf_counter()
+    done = wait_for(stack.api_url, submit_batch(stack.api_url, path), timeout=args.max_seconds)
+    wall = time.perf_counter() - started
+    assert done["request_counts"]["completed"] == args.requests, done
+    tokens = done["usage"]["output_tokens"]
+    cores = {f"{name}_cores": round(((process_cpu_seconds(pid) or 0.0) - cpu[name]) / wall, 2)
+             for name, pid in pids(stack).items()}  # fmt: skip
+    return {"wall_s": round(wall, 2), "tok_s": round(tokens / wall, 1), **cores}
+
+
+def pids(stack: Stack) -> dict[str, int]:
+    return {"api": stack.named["api"].pid, "worker": stack.named["w1"].pid, "clients": os.getpid()}
+
+
+def abort_latencies(api: str, metrics: str, samples: int) -> list[float]:
+    """Seconds from a hang-up to its sequence leaving the engine, one stream at a time."""
+    found = []
+    client = httpx.Client(base_url=api, timeout=60)
+    for i in range(samples):
+        hung_up = drop_stream(client, f"latency-{i}")
+        while scrape(metrics)[RUNNING] > 0:
+            time.sleep(0.002)
+        found.append(time.perf_counter() - hung_up)
+    client.close()
+    return found
+
+
+def measure(stack: Stack, args: argparse.Namespace) -> dict:
+    stack.start_api()
+    port = free_port()
+    model = write_tiny_model(stack.root / "model", "llama")
+    stack.start_worker("w1", model, "--metrics-port", str(port))
+    metrics = f"http://127.0.0.1:{port}/metrics"
+    run_batch(stack, "warm", argparse.Namespace(**{**vars(args), "requests": 32}))
+    before = scrape(metrics)
+    quiet = run_batch(stack, "quiet", args)
+    between = scrape(metrics)
+    with Churn(stack.api_url, args.clients, args.max_drops) as churn:
+        busy = run_batch(stack, "churn", args)
+    time.sleep(1)  # the last hang-ups reach the worker
+    after = scrape(metrics)
+    aborts = after.get(ABORTS, 0.0) - between.get(ABORTS, 0.0)
+    quiet["preemptions"] = int(between[PREEMPTIONS] - before[PREEMPTIONS])
+    busy["preemptions"] = int(after[PREEMPTIONS] - between[PREEMPTIONS])
+    latencies = abort_latencies(stack.api_url, metrics, args.latency_samples)
+    return {"quiet": quiet, "churn": busy, "drops": churn.drops, "drop_errors": churn.errors,
+            "aborts_counted": int(aborts), "latencies": latencies}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    with deployment() as stack:
+        seen = measure(stack, args)
+    ratio = seen["churn"]["tok_s"] / seen["quiet"]["tok_s"]
+    lat_ms = sorted(x * 1000 for x in seen.pop("latencies"))
+    report = {
+        "bench": "online_churn",
+        "clients": args.clients,
+        "batch_requests": args.requests,
+        "max_tokens": args.max_tokens,
+        **{f"quiet_{k}": v for k, v in seen.pop("quiet").items()},
+        **{f"churn_{k}": v for k, v in seen.pop("churn").items()},
+        **seen,
+        "ratio_vs_quiet": round(ratio, 3),
+        "goal_met": ratio >= GOAL_RATIO,
+        "abort_latency_ms_p50": round(statistics.median(lat_ms), 1),
+        "abort_latency_ms_max": round(lat_ms[-1], 1),
+        "loadavg": loadavg(),
+        "cpu_isa": cpu_isa(),
+        "date": date.today().isoformat(),
+        "code": git_state(),
+    }
+    print(
+        f"batch of {args.requests}: {report['quiet_tok_s']} tok/s quiet, "
+        f"{report['churn_tok_s']} tok/s while {args.clients} clients dropped "
+        f"{report['drops']} streams (ratio {ratio:.3f}, goal >= {GOAL_RATIO}); abort latency "
+        f"p50 {report['abort_latency_ms_p50']} ms, max {report['abort_latency_ms_max']} ms"
+    )
+    print_result(report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
