@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +16,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cpu_memory import reuse_large_allocations
 from engine.dtypes import resolve_dtype
+from engine.errors import PROMPT, ContextLengthError, InvalidRequestError, RequestFailure
 from engine.loader import (
     config_dtype,
     eos_token_ids,
@@ -26,7 +29,7 @@ from engine.model_runner import ModelRunner
 from engine.models import DecoderForCausalLM
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from engine.prompt_logprobs import PromptLogprobs
-from engine.sampler import Sampler, SampleRequest
+from engine.sampler import Sampler, SampleRequest, SampleResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Request, Sequence
@@ -36,6 +39,8 @@ from kernels import get_attention_backend
 Prompt = str | list[int]
 
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -167,13 +172,18 @@ class LLMEngine:
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass prompts as token ids")
+                raise InvalidRequestError(
+                    "this model has no tokenizer; pass prompts as token ids", PROMPT
+                )
             return list(self.tokenizer(prompt).input_ids)
-        ids = [int(t) for t in prompt]
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequestError("a prompt of token ids must hold only integers", PROMPT)
+        ids = list(prompt)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(
-                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            raise InvalidRequestError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                PROMPT,
             )
         return ids
 
@@ -195,26 +205,26 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
         if not token_ids:
-            raise ValueError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", PROMPT)
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(
+            raise ContextLengthError(
                 f"the prompt has {len(token_ids)} tokens, but max_model_len is "
                 f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens fit"
             )
-        self._check_token_ids(params)
-        grammar = None
-        if params.structured_outputs is not None:
-            grammar = self.structured_outputs.compile(params.structured_outputs)
+        self._check_against_model(params)
         text = prompt if isinstance(prompt, str) else None
         request = Request(request_id, text, token_ids, params, priority=priority, stream=stream)
-        request.grammar = grammar
         if params.prompt_logprobs is not None:
             request.prompt_entries = [None]
         seq = Sequence(request, 0, list(token_ids), len(token_ids), self._generator(params, 0))
-        seq.matcher = self._matcher(request)
         request.seqs.append(seq)
         self.requests[request_id] = request
-        self.scheduler.add(seq)
+        if params.structured_outputs is None:
+            self.scheduler.add(seq)
+        else:  # its grammar compiles off this thread; `_admit_compiled` schedules it
+            self.structured_outputs.wait_for_grammar(
+                request, params.structured_outputs, self.engine_config.grammar_timeout
+            )
 
     def warm_up(self) -> None:
         """Compile what compiles (on a CPU: the decode attention, norms and rope) before the
@@ -234,17 +244,36 @@ class LLMEngine:
         self.scheduler.counters = counters
         self.generation_tokens, self.num_steps = generated, steps
 
-    def _check_token_ids(self, params: SamplingParams) -> None:
+    def _check_against_model(self, params: SamplingParams) -> None:
+        """What `SamplingParams` cannot check alone: token ids within this model's vocabulary,
+        top-k counts within it, and `n` samples that fit in one running batch."""
+        vocab = self.vocab_size
         for name, ids in (
             ("logit_bias", params.logit_bias or ()),
             ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("stop_token_ids", params.stop_token_ids),
         ):
-            outside = [t for t in ids if t >= self.vocab_size]
+            outside = [t for t in ids if t >= vocab]
             if outside:
-                raise ValueError(
+                raise InvalidRequestError(
                     f"{name} names token id {outside[0]}, outside the model's vocabulary "
-                    f"(ids 0-{self.vocab_size - 1})"
+                    f"(ids 0-{vocab - 1})",
+                    name,
                 )
+        for name in ("top_k", "logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab:
+                raise InvalidRequestError(
+                    f"{name} must be at most the model's vocabulary size ({vocab}), got {value}",
+                    name,
+                )
+        max_num_seqs = self.engine_config.max_num_seqs
+        if params.n > max_num_seqs:
+            raise InvalidRequestError(
+                f"n must be at most the engine's max_num_seqs ({max_num_seqs}): a request's "
+                f"samples run together, got {params.n}",
+                "n",
+            )
 
     def _matcher(self, request: Request) -> Any:
         return None if request.grammar is None else self.structured_outputs.matcher(request.grammar)
@@ -253,13 +282,14 @@ class LLMEngine:
         if params.seed is None or params.greedy:
             return None
         generator = torch.Generator(device=self.device)
-        generator.manual_seed(params.seed + index)
+        generator.manual_seed(params.sample_seed(index))
         return generator
 
     def abort(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
         if request is None:
             return
+        self.structured_outputs.forget(request_id)  # if it still waits for its grammar
         for seq in request.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
@@ -294,6 +324,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; return the outputs of the requests that finished in it, and of the
         streamed requests that got a token in it (`finished=False`)."""
+        if failed := self._admit_compiled():  # reported at once, in a step of their own
+            return failed
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
@@ -310,30 +342,100 @@ class LLMEngine:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_computed_blocks(item.seq)
         self.prompt_logprobs.keep(scheduled, result.prompt_boundaries)
-        seqs, rows, logits = self._samples(completing, result.sample_logits)
-        token_mask = None
+        seqs, rows, failed = self._samples(completing)
+        bitmask = None
         if masks is not None:
-            bitmask = self.structured_outputs.wait(masks)[torch.tensor(rows)]
+            bitmask, failed_masks = self._token_masks(completing, masks)
+            failed += failed_masks
+        if failed:  # the requests that failed take their rows with them
+            kept = [i for i, seq in enumerate(seqs) if not seq.is_finished]
+            seqs, rows = [seqs[i] for i in kept], [rows[i] for i in kept]
+        logits = result.sample_logits
+        if rows != list(range(len(completing))):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        if bitmask is not None:
+            bitmask = bitmask[torch.tensor(rows)]
+        try:
+            sampled = self._sample(seqs, logits, bitmask)
+        except Exception as err:
+            return failed + self._sample_apart(seqs, logits, bitmask, err)
+        return failed + self._advance(seqs, sampled.token_ids, sampled.logprobs)
+
+    def _sample(
+        self, seqs: list[Sequence], logits: torch.Tensor, bitmask: torch.Tensor | None
+    ) -> SampleResult:
+        token_mask = None
+        if bitmask is not None:
             token_mask = lambda rows_logits: self.structured_outputs.apply(rows_logits, bitmask)  # noqa: E731
-        sampled = self.sampler(logits, [self._sample_request(s) for s in seqs], token_mask)
-        return self._advance(seqs, sampled.token_ids, sampled.logprobs)
+        return self.sampler(logits, [self._sample_request(s) for s in seqs], token_mask)
+
+    def _sample_apart(
+        self,
+        seqs: list[Sequence],
+        logits: torch.Tensor,
+        bitmask: torch.Tensor | None,
+        err: Exception,
+    ) -> list[RequestOutput]:
+        """Sampling the batch raised: sample each request's rows alone, so that the error
+        fails the requests it comes from and no other. An error that no request raises alone
+        is the engine's, and is raised."""
+        rows_of: dict[str, list[int]] = {}
+        for i, seq in enumerate(seqs):
+            rows_of.setdefault(seq.request.request_id, []).append(i)
+        failed: list[RequestOutput] = []
+        kept: list[Sequence] = []
+        tokens: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
+        for rows in rows_of.values():
+            part = [seqs[i] for i in rows]
+            index = torch.tensor(rows, device=logits.device)
+            try:
+                own = self._sample(part, logits[index], None if bitmask is None else bitmask[rows])
+            except Exception as own_err:
+                failed.append(self._fail_request(part[0].request, own_err))
+                continue
+            kept += part
+            tokens += own.token_ids
+            logprobs += own.logprobs
+        if not failed:
+            raise err
+        return failed + self._advance(kept, tokens, logprobs)
+
+    def _token_masks(
+        self, completing: list[Sequence], masks: Future[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[RequestOutput]]:
+        """The token masks of the `completing` rows. Filling them raised: the requests whose
+        grammar is in error fail, and the masks of the others are filled again."""
+        try:
+            return self.structured_outputs.wait(masks), []
+        except Exception as err:
+            broken = [s for s in completing if s.matcher is not None and s.matcher.is_error()]
+            if not broken:
+                raise
+            failed = [self._fail_request(s.request, err) for s in broken if not s.is_finished]
+        matchers = [None if s.is_finished else s.matcher for s in completing]
+        return self.structured_outputs.wait(self.structured_outputs.fill_async(matchers)), failed
 
     def _samples(
-        self, completing: list[Sequence], logits: torch.Tensor
-    ) -> tuple[list[Sequence], list[int], torch.Tensor]:
-        """The sequences to sample a token for and their logits rows: a request's first
-        completed prompt forks into its `n` samples here, sharing the prompt's row."""
-        rows, seqs = [], []
+        self, completing: list[Sequence]
+    ) -> tuple[list[Sequence], list[int], list[RequestOutput]]:
+        """The sequences to sample a token for and their rows of the step's logits: a
+        request's first completed prompt forks into its `n` samples here, sharing the prompt's
+        row. Also the outputs of the requests that failed to fork."""
+        rows, seqs, failed = [], [], []
         for row, seq in enumerate(completing):
             if seq.request.needs_fork:
-                for child in self._fork(seq):
+                try:
+                    children = self._fork(seq)
+                except Exception as err:
+                    failed.append(self._fail_request(seq.request, err))
+                    continue
+                for child in children:
                     rows.append(row)
                     seqs.append(child)
             rows.append(row)
             seqs.append(seq)
-        if len(rows) != len(completing):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        return seqs, rows, logits
+        return seqs, rows, failed
 
     def _advance(
         self, seqs: list[Sequence], tokens: list[int], logprobs: list[TokenLogprobs | None]
@@ -365,11 +467,15 @@ class LLMEngine:
                 outputs.append(self._fail_request(request, err))
         for request_id, request in streamed.items():
             if request_id in self.requests and request_id not in failed:
-                outputs.append(self._request_output(request, finished=False))
+                try:
+                    outputs.append(self._request_output(request, finished=False))
+                except Exception as err:
+                    outputs.append(self._fail_request(request, err))
         return outputs
 
     def _fail_request(self, request: Request, err: Exception) -> RequestOutput:
         """End `request` on an error of its own: free its sequences, report what it had."""
+        log.warning("request %s failed alone: %s: %s", request.request_id, type(err).__name__, err)
         self.requests.pop(request.request_id, None)
         for seq in request.seqs:
             if not seq.is_finished:
@@ -396,7 +502,7 @@ class LLMEngine:
             finished=True,
             num_cached_tokens=request.num_cached_tokens or 0,
             metrics=request.metrics,
-            error=f"{type(err).__name__}: {err}",
+            error=RequestFailure.of(err),
         )
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
@@ -513,6 +619,25 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens or 0,
             metrics=request.metrics,
         )
+
+    # ---- requests waiting for their grammar -------------------------------------------------
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar has compiled; fail those whose grammar did not
+        compile, or not within grammar_timeout. With nothing else to run, first wait a moment
+        for a compile, rather than spin."""
+        idle = not self.scheduler.running and not self.scheduler.waiting
+        failed = []
+        for request, compiled in self.structured_outputs.settled(wait=idle):
+            if self.requests.get(request.request_id) is not request:
+                continue
+            if isinstance(compiled, BaseException):
+                failed.append(self._fail_request(request, compiled))
+                continue
+            request.grammar = compiled
+            for seq in request.seqs:
+                seq.matcher = self._matcher(request)
+                self.scheduler.add(seq)
+        return failed
 
 
 def _resolve_device(device: str) -> torch.device:

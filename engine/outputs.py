@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.errors import RequestFailure
+
 # token id -> log probability, for one position: the chosen token plus the top-k alternatives.
 TokenLogprobs = dict[int, float]
 
@@ -47,6 +49,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    # why the engine gave up on this request alone ("TypeError: ..."); its outputs then end
-    # with finish_reason "error" and hold what was generated before
-    error: str | None = None
+    # why the engine gave up on this request alone; its outputs then end with finish_reason
+    # "error" and hold what was generated before
+    error: RequestFailure | None = None

@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.errors import InvalidRequestError
+
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: -100..100
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: -2..2
+# A seed is a signed 64-bit integer (as vLLM's and torch's); sample i of a request draws from
+# a generator seeded with (seed + i) mod 2**64, the same stream torch gives a negative seed.
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+SEED_MODULUS = 2**64
+# Token ids, counts and limits past this are no vocabulary's or context's: refused before they
+# reach a tensor (int64) or a loop.
+MAX_INT = 2**31 - 1
+# Below this a positive temperature divides logits past float32's range (inf - inf = nan in
+# the softmax); it is greedy in all but name.
+MIN_TEMPERATURE = 1e-5
+MAX_STOP_STRINGS = 256
 
 
 @dataclass(frozen=True)
@@ -27,14 +41,18 @@ class StructuredOutputsParams:
         kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         kinds += ["json_object"] if self.json_object else []
         if len(kinds) != 1:
-            raise ValueError(
+            raise InvalidRequestError(
                 "structured_outputs must hold exactly one of json, json_object, regex, choice "
-                f"or grammar, got {', '.join(kinds) or 'none'}"
+                f"or grammar, got {', '.join(kinds) or 'none'}",
+                "structured_outputs",
             )
         if self.choice is not None and (
             not self.choice or not all(isinstance(c, str) and c for c in self.choice)
         ):
-            raise ValueError("structured_outputs choice must be a list of non-empty strings")
+            raise InvalidRequestError(
+                "structured_outputs choice must be a list of non-empty strings",
+                "structured_outputs",
+            )
 
     @property
     def key(self) -> tuple[str, str]:
@@ -88,66 +106,124 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()} or None
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()} or None
+            except (TypeError, ValueError, OverflowError, AttributeError):
+                _fail("logit_bias", "logit_bias must map token ids to numbers")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._check()
 
     def _check(self) -> None:
-        def fail(msg: str) -> None:
-            raise ValueError(msg)
-
+        self._check_types()
         if self.n < 1:
-            fail(f"n must be at least 1, got {self.n}")
-        if self.temperature < 0:
-            fail(f"temperature must be non-negative, got {self.temperature}")
+            _fail("n", f"n must be at least 1, got {self.n}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            _fail(
+                "temperature", f"temperature must be a finite number >= 0, got {self.temperature}"
+            )
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            _fail(
+                "temperature",
+                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
+                f"got {self.temperature}",
+            )
         if not 0 < self.top_p <= 1:
-            fail(f"top_p must be in (0, 1], got {self.top_p}")
+            _fail("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            fail(f"top_k must be 0 or -1 (off) or positive, got {self.top_k}")
+            _fail("top_k", f"top_k must be 0 or -1 (off) or positive, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
-            fail(f"min_p must be in [0, 1], got {self.min_p}")
+            _fail("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
+            _fail("seed", f"seed must be a 64-bit signed integer, got {self.seed}")
         if self.max_tokens is not None and self.max_tokens < 1:
-            fail(f"max_tokens must be at least 1, got {self.max_tokens}")
+            _fail("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
-            fail(f"min_tokens must be non-negative, got {self.min_tokens}")
+            _fail("min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            _fail(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and value < 0:
-                fail(f"{name} must be non-negative, got {value}")
-        if any(not s for s in self.stop):
-            fail("stop strings must be non-empty")
-        self._check_logit_changes(fail)
+                _fail(name, f"{name} must be non-negative, got {value}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            _fail("stop", "stop strings must be non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            _fail("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        self._check_logit_changes()
 
-    def _check_logit_changes(self, fail: Any) -> None:
+    def _check_types(self) -> None:
+        """Counts and ids are integers within int32 (seeds: int64), probabilities and
+        penalties real numbers: what a tensor and the checks below can take."""
+        ints = ["n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs"]
+        for name in ints:
+            value = getattr(self, name)
+            if value is None and name in ("max_tokens", "logprobs", "prompt_logprobs"):
+                continue
+            if not _is_int(value):
+                _fail(name, f"{name} must be an integer, got {value!r}")
+            if abs(value) > MAX_INT:
+                _fail(name, f"{name} must be at most {MAX_INT}, got {value}")
+        if self.seed is not None and not _is_int(self.seed):
+            _fail("seed", f"seed must be an integer, got {self.seed!r}")
+        floats = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"]
+        for name in [*floats, "repetition_penalty"]:
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                _fail(name, f"{name} must be a number, got {value!r}")
+            if math.isnan(value):
+                _fail(name, f"{name} must be a number, got NaN")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name)
+            if ids is not None and not all(_is_int(t) and 0 <= t <= MAX_INT for t in ids):
+                _fail(name, f"{name} must hold token ids (integers from 0 to {MAX_INT})")
+
+    def _check_logit_changes(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -MAX_PENALTY <= value <= MAX_PENALTY:
-                fail(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
-        if not self.repetition_penalty > 0:
-            fail(f"repetition_penalty must be greater than 0, got {self.repetition_penalty}")
+                _fail(name, f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+        if not 0 < self.repetition_penalty < math.inf:
+            _fail(
+                "repetition_penalty",
+                "repetition_penalty must be greater than 0 and finite, "
+                f"got {self.repetition_penalty}",
+            )
         for token, bias in (self.logit_bias or {}).items():
-            if token < 0:
-                fail(f"logit_bias keys must be token ids (>= 0), got {token}")
+            if not 0 <= token <= MAX_INT:
+                _fail("logit_bias", f"logit_bias keys must be token ids (>= 0), got {token}")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                fail(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+                _fail(
+                    "logit_bias",
+                    f"logit_bias values must be in [-100, 100], got {bias} for token {token}",
+                )
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
-            if not self.allowed_token_ids or min(self.allowed_token_ids) < 0:
-                fail("allowed_token_ids must be a non-empty list of token ids")
+            if not self.allowed_token_ids:
+                _fail(
+                    "allowed_token_ids", "allowed_token_ids must be a non-empty list of token ids"
+                )
         if self.structured_outputs is not None:
             if self.ignore_eos:
-                fail(
+                _fail(
+                    "structured_outputs",
                     "structured_outputs cannot be combined with ignore_eos: the end of the "
-                    "structure is where generation stops"
+                    "structure is where generation stops",
                 )
             if self.min_tokens:
-                fail(
+                _fail(
+                    "structured_outputs",
                     "structured_outputs cannot be combined with min_tokens: the structure "
-                    "decides where generation stops"
+                    "decides where generation stops",
                 )
+
+    def sample_seed(self, index: int) -> int:
+        """The seed of sample `index`'s generator (`seed` must be set)."""
+        assert self.seed is not None
+        return (self.seed + index) % SEED_MODULUS
 
     @property
     def greedy(self) -> bool:
@@ -160,3 +236,11 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _fail(field: str, message: str) -> None:
+    raise InvalidRequestError(message, field)

@@ -88,7 +88,8 @@ def test_a_request_whose_post_processing_raises_fails_alone(
         assert output.outputs[0].text == clean[request_id].outputs[0].text
     failed = outputs[BAD]
     assert failed.finished and failed.error is not None
-    assert failed.error.split(":")[0] in ("IndexError", "TypeError", "UnicodeDecodeError")
+    assert failed.error.internal  # the engine's fault with this request, not the request's
+    assert failed.error.message.split(":")[0] in ("IndexError", "TypeError", "UnicodeDecodeError")
     assert [c.finish_reason for c in failed.outputs] == ["error"]
     # nothing of it is left behind, and the engine runs on as before
     assert not llm.has_unfinished() and not llm.scheduler.running and not llm.scheduler.waiting
@@ -101,7 +102,10 @@ def test_a_request_whose_post_processing_raises_fails_alone(
 
 
 def test_the_offline_runner_writes_an_error_line_for_it(
-    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    checkpoints: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     from conveyor.batch_runner import BatchRunner
 
@@ -133,7 +137,12 @@ def test_the_offline_runner_writes_an_error_line_for_it(
     bad = rows["c2"]
     assert bad["error"]["code"] == "internal_error" and bad["response"]["status_code"] == 500
     assert bad["error"]["line"] == 3
-    assert "the engine failed on this request: IndexError" in bad["error"]["message"]
+    # no internals in the line: the id that the log line with the details carries
+    assert "internal error (request line-3)" in bad["error"]["message"]
+    assert "IndexError" not in bad["error"]["message"]
+    assert any(
+        "line-3" in r.getMessage() and "IndexError" in r.getMessage() for r in caplog.records
+    )
     for custom_id in ("c0", "c1", "c3"):
         body, clean_body = rows[custom_id]["response"]["body"], clean[custom_id]["response"]["body"]
         assert body["choices"] == clean_body["choices"]
