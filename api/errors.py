@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -119,6 +120,10 @@ class UnexpectedErrors:
         except Exception as err:
             if started:
                 raise
-            log.exception("unhandled error")
-            body = _body(f"internal error: {type(err).__name__}", "server_error")
-            await JSONResponse(body, 500)(scope, receive, send)
+            request_id = f"req_{uuid.uuid4().hex[:24]}"
+            log.exception("request %s: unhandled error: %s", request_id, type(err).__name__)
+            message = f"internal error (request {request_id}); the service's log has the details"
+            response = JSONResponse(
+                _body(message, "server_error"), 500, headers={"X-Request-Id": request_id}
+            )
+            await response(scope, receive, send)

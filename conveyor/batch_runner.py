@@ -12,11 +12,12 @@ keeps this module free of torch imports until an engine is actually handed in.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import IO, Any
 
-from conveyor.batch_format.errors import INTERNAL_ERROR, BatchRequestError, classify_engine_error
+from conveyor.batch_format.errors import INTERNAL_ERROR, BatchRequestError
 from conveyor.batch_format.request_line import BatchLineParser, ParsedRequest, peek_custom_id
 from conveyor.batch_format.result_lines import (
     build_output_line,
@@ -24,7 +25,10 @@ from conveyor.batch_format.result_lines import (
     error_line_from_exception,
 )
 from conveyor.batch_format.token_text import TokenDecoder
-from conveyor.engine_request import prepare_request
+from conveyor.engine_request import engine_error, internal_error, prepare_request
+from engine.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -85,20 +89,18 @@ class BatchRunner:
             prompt, params = prepare_request(self.llm, request)
             try:
                 self.llm.add_request(request_id, prompt, params)
-            except ValueError as err:
-                code, param = classify_engine_error(str(err), request.is_chat)
-                raise BatchRequestError(
-                    str(err), code=code, line=lineno, custom_id=request.custom_id, param=param
-                ) from None
+            except InvalidRequestError as err:
+                raise engine_error(err, request, request_id) from None
         except BatchRequestError as err:
             self._emit_error(err)
             return
-        except Exception as err:
+        except Exception:
+            log.exception("request %s: internal error while adding it", request_id)
             with contextlib.suppress(Exception):  # whatever of it the engine kept
                 self.llm.abort(request_id)
             self._emit_error(
                 BatchRequestError(
-                    f"internal error while adding the request: {type(err).__name__}: {err}",
+                    internal_error(request_id),
                     code=INTERNAL_ERROR,
                     line=lineno,
                     custom_id=peek_custom_id(raw),
@@ -114,15 +116,15 @@ class BatchRunner:
         if request is None:
             return
         if (error := getattr(output, "error", None)) is not None:
-            self._emit_internal_error(request, f"the engine failed on this request: {error}")
+            self._emit_error(engine_error(error, request, output.request_id))
             return
         try:
             line = build_output_line(request, output, self.model_name, self.decoder)
-        except Exception as err:
-            self._emit_internal_error(
-                request,
-                f"internal error while formatting the result: {type(err).__name__}: {err}",
+        except Exception:
+            log.exception(
+                "request %s: internal error while formatting its result", output.request_id
             )
+            self._emit_internal_error(request, internal_error(output.request_id))
             return
         self._emit(line, ok=True)
 

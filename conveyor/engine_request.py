@@ -4,49 +4,74 @@ both prepare requests here."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from conveyor.batch_format.errors import (
     CHAT_TEMPLATE_ERROR,
+    CONTEXT_LENGTH_EXCEEDED,
+    INTERNAL_ERROR,
+    INVALID_PROMPT,
+    INVALID_RESPONSE_FORMAT,
     INVALID_SAMPLING_PARAMS,
     BatchRequestError,
 )
 from conveyor.batch_format.request_line import ParsedRequest
+from engine.errors import (
+    PROMPT,
+    STRUCTURED_OUTPUTS,
+    ContextLengthError,
+    InvalidRequestError,
+    RequestFailure,
+)
 from engine.sampling_params import SamplingParams
 
-# SamplingParams field -> the request body field it comes from, to name it in errors.
-_BODY_FIELD = {
-    "logprobs": "body.logprobs",
-    "prompt_logprobs": "body.logprobs",
-    "stop": "body.stop",
-}
-_SAMPLING_FIELDS = {
-    "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
-    "stop_token_ids", "ignore_eos", "skip_special_tokens",
-}  # fmt: skip
+log = logging.getLogger(__name__)
+
+# SamplingParams field -> the request body field it comes from, where the names differ
+_BODY_FIELD = {"prompt_logprobs": "logprobs"}
 
 
-def _sampling_param_name(message: str) -> str | None:
-    """The body field a `SamplingParams` error message starts with (`top_p must be ...`)."""
-    first = message.split(" ", 1)[0].strip("'\"`:,")
-    if first in _BODY_FIELD:
-        return _BODY_FIELD[first]
-    return f"body.{first}" if first in _SAMPLING_FIELDS else None
+def internal_error(request_id: str) -> str:
+    """What a client is told of a fault of the service's: no internals, and the id that the
+    log line with the details carries."""
+    return f"internal error (request {request_id}); the service's log has the details"
+
+
+def engine_error(
+    err: BaseException | RequestFailure, request: ParsedRequest, request_id: str
+) -> BatchRequestError:
+    """The error line (or online error) of a request the engine refused or gave up on, by the
+    error's kind and field. A fault of the engine's says "internal error" and `request_id`,
+    which the log line with the details carries."""
+    failure = err if isinstance(err, RequestFailure) else RequestFailure.of(err)
+    where = {"line": request.line, "custom_id": request.custom_id}
+    if failure.internal:
+        log.error("request %s: internal error: %s", request_id, failure.message)
+        return BatchRequestError(
+            internal_error(request_id),
+            code=INTERNAL_ERROR,
+            status_code=500,
+            **where,
+        )
+    field = failure.field
+    if field == PROMPT:
+        code = CONTEXT_LENGTH_EXCEEDED if isinstance(err, ContextLengthError) else INVALID_PROMPT
+        param = "body.messages" if request.is_chat else "body.prompt"
+    elif field == STRUCTURED_OUTPUTS:
+        code, param = INVALID_RESPONSE_FORMAT, "body.response_format"
+    else:
+        code = INVALID_SAMPLING_PARAMS
+        param = None if field is None else f"body.{_BODY_FIELD.get(field, field)}"
+    return BatchRequestError(failure.message, code=code, param=param, **where)
 
 
 def prepare_request(llm: Any, request: ParsedRequest) -> tuple[str | list[int], SamplingParams]:
     """The engine prompt and sampling params of a parsed line. Raises `BatchRequestError`."""
-    lineno = request.line
     try:
         params = SamplingParams(**request.sampling)
-    except (ValueError, TypeError) as err:
-        raise BatchRequestError(
-            str(err),
-            code=INVALID_SAMPLING_PARAMS,
-            line=lineno,
-            custom_id=request.custom_id,
-            param=_sampling_param_name(str(err)),
-        ) from None
+    except InvalidRequestError as err:
+        raise engine_error(err, request, f"line {request.line}") from None
     if not request.is_chat:
         assert request.prompt is not None
         return request.prompt, params
@@ -56,7 +81,7 @@ def prepare_request(llm: Any, request: ParsedRequest) -> tuple[str | list[int], 
         raise BatchRequestError(
             f"could not apply the chat template: {err}",
             code=CHAT_TEMPLATE_ERROR,
-            line=lineno,
+            line=request.line,
             custom_id=request.custom_id,
             param="body.messages",
         ) from None

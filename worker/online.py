@@ -29,7 +29,6 @@ from conveyor.batch_format.errors import (
     INVALID_REQUEST,
     MODEL_UNAVAILABLE,
     BatchRequestError,
-    classify_engine_error,
 )
 from conveyor.batch_format.request_line import OnlineRequest, parse_online_body
 from conveyor.batch_format.responses import (
@@ -40,7 +39,7 @@ from conveyor.batch_format.responses import (
 from conveyor.batch_format.streaming import ChunkStream
 from conveyor.batch_format.token_text import TokenDecoder
 from conveyor.dispatch.online import OnlineBus, OnlineMessage
-from conveyor.engine_request import prepare_request
+from conveyor.engine_request import engine_error, internal_error, prepare_request
 from worker.engine_service import EngineJob, EngineService
 from worker.metrics import ONLINE_ABORTS
 
@@ -207,7 +206,7 @@ class OnlineServer(threading.Thread):
                 self.service.abort([call.engine_ids[prompt]])
             return
         if error := getattr(output, "error", None):
-            self._finish(call, self._failure_answer(call, error))
+            self._finish(call, self._error_answer(call, error))
             return
         finished = getattr(output, "finished", True)
         if finished:
@@ -232,31 +231,15 @@ class OnlineServer(threading.Thread):
         return merged_body(bodies, call.online.n)
 
     def _on_error(self, call: _Call, err: Exception) -> None:
-        if isinstance(err, ValueError):  # the engine's word that the request is bad
-            field = getattr(err, "field", None)
-            self._finish(call, self._bad_request_answer(call, str(err), field))
-        else:
-            log.error(
-                "online request %s failed in the engine",
-                call.message.request_id,
-                exc_info=(type(err), err, err.__traceback__),
-            )
-            self._finish(call, internal_error_answer(call.message.request_id))
+        self._finish(call, self._error_answer(call, err))
 
-    def _failure_answer(self, call: _Call, error: Any) -> dict[str, Any]:
-        """The answer to an output the engine gave up on: a failure of the request's own (the
-        engine's `RequestFailure` with `internal` False) is a 400; anything else a 500."""
-        if not getattr(error, "internal", True):
-            return self._bad_request_answer(call, str(error), getattr(error, "field", None))
-        log.error("online request %s failed in the engine: %s", call.message.request_id, error)
-        return internal_error_answer(call.message.request_id)
-
-    def _bad_request_answer(self, call: _Call, message: str, field: str | None) -> dict[str, Any]:
-        chat = call.message.kind == "chat"
-        code, param = classify_engine_error(message, chat)
-        if field:
-            param = "messages" if chat and field == "prompt" else field
-        return error_answer(400, message, code, param.removeprefix("body."))
+    def _error_answer(self, call: _Call, err: Any) -> dict[str, Any]:
+        """The answer to a request the engine refused or gave up on (an exception, or an
+        output's `RequestFailure`): the request's own fault is a 400 naming its field, the
+        engine's a 500 with the request's id, which the log line with the details carries."""
+        error = engine_error(err, call.online.requests[0], call.message.request_id)
+        param = error.param.removeprefix("body.") if error.param else None
+        return error_answer(error.status_code, error.detail, error.code, param)
 
     def _finish(self, call: _Call, answer: dict[str, Any]) -> None:
         call.over = True
@@ -339,7 +322,7 @@ def error_answer(
 
 def internal_error_answer(request_id: str) -> dict[str, Any]:
     """A 500 that tells nothing of the code, only the id that finds the worker's log line."""
-    return error_answer(500, f"internal error (request id {request_id})", INTERNAL_ERROR)
+    return error_answer(500, internal_error(request_id), INTERNAL_ERROR)
 
 
 def invalid_body_answer(err: ValidationError) -> dict[str, Any]:

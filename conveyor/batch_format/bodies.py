@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from conveyor.batch_format.errors import describe
 
@@ -31,6 +38,12 @@ MAX_COMPLETION_LOGPROBS = 5
 # OpenAI's range for a logit_bias value (the engine's SamplingParams checks the same)
 MAX_LOGIT_BIAS = 100.0
 
+# Bounds the engine's SamplingParams also holds to: no token id, count or length is past int32,
+# and a seed is a signed 64-bit integer. The model's own bounds (its vocabulary, its context)
+# are checked by the worker that serves it.
+MAX_INT = 2**31 - 1
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+
 
 _BODY_CONFIG = ConfigDict(extra="forbid", strict=True, frozen=True)
 
@@ -45,10 +58,10 @@ def _check_stop(value: Any) -> str | list[str] | None:
 
 def _check_token_ids(value: Any, what: str = "a list of integer token ids") -> list[int]:
     if isinstance(value, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT for t in value
     ):
         return value
-    raise ValueError(f"must be {what}")
+    raise ValueError(f"must be {what} (from 0 to {MAX_INT})")
 
 
 class _SamplingFields(BaseModel):
@@ -61,18 +74,18 @@ class _SamplingFields(BaseModel):
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     n: int | None = Field(default=None, ge=1, le=128)
     stop: Any = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
     # vLLM extensions
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_INT)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    min_tokens: int | None = Field(default=None, ge=0)
+    min_tokens: int | None = Field(default=None, ge=0, le=MAX_INT)
     ignore_eos: bool | None = None
     stop_token_ids: Any = None
     skip_special_tokens: bool | None = None
     # logits: OpenAI's penalties and bias, vLLM's repetition penalty and allowed ids
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: Any = None
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*
@@ -109,7 +122,7 @@ class _SamplingFields(BaseModel):
     @classmethod
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.isdigit() or not key.isascii():
+            if not key.isdigit() or not key.isascii() or int(key) > MAX_INT:
                 raise ValueError(f"keys must be token ids (decimal strings), got {describe(key)}")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
@@ -261,8 +274,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionBody(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
     modalities: list[Literal["text"]] | None = None  # text is what a chat model answers in
@@ -291,20 +304,21 @@ class ChatCompletionBody(_SamplingFields):
 
 class CompletionBody(_SamplingFields):
     prompt: Any  # checked into a list of prompts: strings, or lists of token ids
-    max_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=0, le=MAX_INT)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool | None = None
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: int | None = Field(default=None, ge=1, le=128)
 
-    @model_validator(mode="after")
-    def _best_of(self) -> CompletionBody:
-        n = self.n or 1
-        if self.best_of is not None and self.best_of != n:
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n") or 1
+        if value is not None and value != n:
             raise ValueError(
-                f"best_of other than n is not supported (best_of {self.best_of}, n {n}): "
+                f"best_of other than n is not supported (best_of {value}, n {n}): "
                 "ask for n samples and rank them by their logprobs"
             )
-        return self
+        return value
 
     @field_validator("prompt")
     @classmethod

@@ -184,7 +184,7 @@ def test_empty_values_of_unsupported_fields_are_as_if_absent():
     ("fields", "param", "needle"),
     [
         ({"modalities": ["text", "audio"]}, "body.modalities[1]", "'text'"),
-        ({"best_of": 3}, "body", "best_of other than n"),
+        ({"best_of": 3}, "body.best_of", "best_of other than n"),
         ({"logit_bias": {"abc": 1}}, "body.logit_bias", "token ids"),
         ({"logit_bias": {"5": 150}}, "body.logit_bias", "[-100, 100]"),
         ({"presence_penalty": 2.5}, "body.presence_penalty", "less than or equal to 2"),

@@ -20,6 +20,7 @@ from conveyor.batch_format.request_line import (
 )
 from conveyor.batch_format.result_lines import build_error_line, build_output_line
 from conveyor.batch_format.token_text import TokenDecoder
+from engine.errors import ContextLengthError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -857,7 +858,7 @@ class ScriptedEngine:
 
     def add_request(self, request_id: str, prompt: Any, params: Any) -> None:
         if prompt == "too long":
-            raise ValueError("the prompt has 9999 tokens, but max_model_len is 10")
+            raise ContextLengthError("the prompt has 9999 tokens, but max_model_len is 10")
         self.waiting.append((request_id, list(prompt) if isinstance(prompt, list) else [1, 2]))
 
     def has_unfinished(self) -> bool:

@@ -305,7 +305,11 @@ class KeptAlive:
     ) -> dict:
         self.conn.request(method, path, body=body, headers={**self.headers, **(headers or {})})
         response = self.conn.getresponse()
-        answer = {"status": response.status, "body": response.read()}
+        answer = {
+            "status": response.status,
+            "body": response.read(),
+            "headers": {k.lower(): v for k, v in response.getheaders()},
+        }
         assert response.getheader("connection") != "close", (method, path, answer)
         if self.sock is None:
             self.sock = self.conn.sock
@@ -443,7 +447,9 @@ def test_ids_and_parameters_the_ledger_cannot_hold_are_4xx(door: Stack, tmp_path
     assert httpx.get(f"{api}/v1/batches", headers=auth).status_code == 200
 
 
-def test_an_unexpected_error_is_a_500_that_keeps_the_connection(tmp_path: Path):
+def test_an_unexpected_error_is_a_500_that_keeps_the_connection(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
     """On uvicorn, as the API runs: an exception no handler takes is a 500 in OpenAI's shape,
     and the client's next request on the same connection is answered."""
     app = FastAPI()
@@ -471,12 +477,18 @@ def test_an_unexpected_error_is_a_500_that_keeps_the_connection(tmp_path: Path):
             got = client.request("GET", "/boom")
             assert got["status"] == 500
             error = json.loads(got["body"])["error"]
+            # no internals: the id of the request, which the log line with them carries
+            request_id = got["headers"]["x-request-id"]
             assert error == {
-                "message": "internal error: RuntimeError",
+                "message": f"internal error (request {request_id}); the service's log has "
+                "the details",
                 "type": "server_error",
                 "param": None,
                 "code": None,
             }
+            assert b"RuntimeError" not in got["body"] and b"no handler" not in got["body"]
+            logged = [r for r in caplog.records if request_id in r.getMessage()]
+            assert logged and logged[0].exc_info is not None
             assert client.request("GET", "/fine")["status"] == 200
         client.close()
     finally:

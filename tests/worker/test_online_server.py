@@ -14,6 +14,7 @@ import pytest
 
 from conveyor.batch_format.token_text import TokenDecoder
 from conveyor.dispatch.online import LocalBus, OnlineMessage
+from engine.errors import RequestFailure
 from engine.outputs import RequestOutput
 from worker.echo import EchoEngine
 from worker.engine_service import EngineJob
@@ -172,29 +173,18 @@ def test_a_500_tells_the_request_id_and_no_internals(served, caplog):
         answer = answer_of(bus, message)
     error = answer["body"]["error"]
     assert answer["status"] == 500 and error["code"] == "internal_error"
-    assert error["message"] == f"internal error (request id {message.request_id})"
+    assert error["message"] == (
+        f"internal error (request {message.request_id}); the service's log has the details"
+    )
     assert message.request_id in caplog.text and "PanicException" in caplog.text
-
-
-@dataclass
-class Failure:
-    """The engine's `RequestFailure`, as `RequestOutput.error` carries it."""
-
-    message: str
-    field: str | None = None
-    internal: bool = True
-
-    def __str__(self) -> str:
-        return self.message
 
 
 @pytest.mark.parametrize(
     ("error", "status", "param"),
     [
-        (Failure("top_k must be at least -1", "top_k", internal=False), 400, "top_k"),
-        (Failure("prompt token id 7 is outside the vocabulary", "prompt", False), 400, "prompt"),
-        (Failure("IndexError: index 9 is out of bounds"), 500, None),
-        ("IndexError: index 9 is out of bounds", 500, None),  # the error as a plain string
+        (RequestFailure("top_k must be at least -1", "top_k", internal=False), 400, "top_k"),
+        (RequestFailure("prompt token id 7 is outside the vocab", "prompt", False), 400, "prompt"),
+        (RequestFailure("IndexError: index 9 is out of bounds"), 500, None),
     ],
 )
 def test_an_output_with_an_error_answers_by_its_kind(served, error, status, param):

@@ -1,0 +1,40 @@
+"""Hypothesis strategies for request bodies with numbers of every size in them: the edges of
+int32, int64 and uint64, huge integers, tiny and huge floats, long lists. Shared by the tests
+that drive the request checks and the engine (tests/conveyor) and the running service
+(tests/system)."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+EDGES = [0, 1, -1, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 10**19, -(2**63) - 1]
+ANY_INT = st.one_of(st.integers(-3, 40), st.integers(), st.sampled_from(EDGES))
+ANY_FLOAT = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.floats(min_value=-3, max_value=3),
+    st.sampled_from([0.0, 1e-300, 5e-324, 1e-6, 1.0, 2.0]),
+)
+IDS = st.lists(ANY_INT, max_size=5)
+FIELDS = {
+    "n": ANY_INT,
+    "temperature": ANY_FLOAT,
+    "top_p": ANY_FLOAT,
+    "top_k": ANY_INT,
+    "min_p": ANY_FLOAT,
+    "seed": ANY_INT,
+    "max_tokens": ANY_INT,
+    "min_tokens": ANY_INT,
+    "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=300)),
+    "stop_token_ids": IDS,
+    "presence_penalty": ANY_FLOAT,
+    "frequency_penalty": ANY_FLOAT,
+    "repetition_penalty": ANY_FLOAT,
+    "logit_bias": st.dictionaries(ANY_INT.map(str), ANY_FLOAT, max_size=3),
+    "allowed_token_ids": IDS,
+    "ignore_eos": st.booleans(),
+}
+CHAT_ONLY = {"logprobs": st.booleans(), "top_logprobs": ANY_INT, "max_completion_tokens": ANY_INT}
+PROMPT = st.one_of(st.text(max_size=20), st.lists(ANY_INT, min_size=1, max_size=5))
+COMPLETION_ONLY = {"logprobs": ANY_INT, "echo": st.booleans(), "best_of": ANY_INT}
+COMPLETIONS = st.fixed_dictionaries({"prompt": PROMPT}, optional=FIELDS | COMPLETION_ONLY)
+CHATS = st.fixed_dictionaries({}, optional=FIELDS | CHAT_ONLY)
