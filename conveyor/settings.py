@@ -73,8 +73,12 @@ class Settings:
     # on SIGTERM a worker's running shards get this long before they are handed back
     shutdown_timeout: float = 60.0
     log_format: str = "text"  # or "json": one object per line, with batch/shard/request ids
-    # a shard whose worker failed this many times while running it is not run again
+    # a shard whose worker died without a word (killed) this many times while running it is
+    # not run again
     max_shard_attempts: int = 3
+    # a request in the step of this many engine failures (the last one run alone) is not run
+    # again: it gets a request_quarantined error line
+    max_request_failures: int = 2
     # one online request: prompts in a completion's list (OpenAI's limit), and prompts × n;
     # one project: online sequences (prompts × n) in flight at once. 0: no limit
     max_online_prompts: int = 2048
@@ -87,6 +91,11 @@ class Settings:
         if self.log_format not in ("text", "json"):
             raise ValueError(
                 f"CONVEYOR_LOG_FORMAT must be 'text' or 'json', got {self.log_format!r}"
+            )
+        if self.max_request_failures < 1:
+            raise ValueError(
+                "CONVEYOR_MAX_REQUEST_FAILURES must be at least 1, "
+                f"got {self.max_request_failures}"
             )
         if self.max_shard_attempts < 1:
             raise ValueError(
@@ -131,6 +140,7 @@ class Settings:
             shutdown_timeout=_env_float("CONVEYOR_SHUTDOWN_TIMEOUT", 60.0),
             log_format=(os.environ.get("CONVEYOR_LOG_FORMAT") or "text").strip().lower(),
             max_shard_attempts=_env_int("CONVEYOR_MAX_SHARD_ATTEMPTS", 3),
+            max_request_failures=_env_int("CONVEYOR_MAX_REQUEST_FAILURES", 2),
             online_timeout=_env_float("CONVEYOR_ONLINE_TIMEOUT", 600.0),
             max_online_prompts=_env_int("CONVEYOR_MAX_ONLINE_PROMPTS", 2048),
             max_online_request_sequences=_env_int("CONVEYOR_MAX_ONLINE_REQUEST_SEQUENCES", 4096),

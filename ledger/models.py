@@ -150,6 +150,8 @@ class RequestRow(Base):
     custom_id: Mapped[str] = mapped_column(String(CUSTOM_ID_MAX_CHARS))
     raw: Mapped[str] = mapped_column(Text)  # the input line as uploaded
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # engine deaths it was in the step of: once, it runs alone; twice, it is quarantined
+    engine_failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     worker: Mapped[str | None] = mapped_column(String(255), nullable=True)
     started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 

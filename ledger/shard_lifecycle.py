@@ -61,7 +61,18 @@ _TAKE_REQUESTS = (
         ~_HAS_RESULT,
     )
     .values(attempts=_requests.c.attempts + 1, worker=bindparam("by"), started_at=bindparam("now"))
-    .returning(_requests.c.id, _requests.c.line, _requests.c.raw)
+    .returning(_requests.c.id, _requests.c.line, _requests.c.raw, _requests.c.engine_failures)
+)
+_ADD_ENGINE_FAILURE = (
+    update(_requests)
+    .where(_requests.c.id.in_(bindparam("ids", expanding=True)))
+    .values(engine_failures=_requests.c.engine_failures + 1)
+)
+# a shard whose task ended without running it (handed back unclaimed): its message is spent
+_FORGET_MESSAGE = (
+    update(_shards)
+    .where(_shards.c.id == bindparam("shard_id"), _shards.c.status == ShardStatus.QUEUED)
+    .values(enqueued_at=None)
 )
 _UNFINISHED_IN_SHARD = (
     select(_requests.c.id)
@@ -82,6 +93,8 @@ _CLOSE_SHARD = (  # done, or queued again if the batch runs on and requests are 
             else_=ShardStatus.DONE,
         ),
         heartbeat_at=None,
+        # its task ends now: no broker message carries it, so the reconciler sends it again
+        enqueued_at=None,
     )
 )
 
@@ -103,7 +116,8 @@ class ClaimedShard:
     index: int
     model: str
     prefix_key: str
-    requests: list[tuple[int, int, str]]  # (request id, line number, raw line) without results
+    # (request id, line number, raw line, engine failures) of those without results
+    requests: list[tuple[int, int, str, int]]
     quarantined: bool = False  # not to be run: its requests got error lines, it is closed
 
 
@@ -136,7 +150,7 @@ def claim_shard(
     rows = conn.execute(
         _TAKE_REQUESTS, {"of_batch": batch_id, "of_shard": index, "by": worker, "now": now}
     ).all()
-    requests = sorted((int(i), int(line), raw) for i, line, raw in rows)
+    requests = sorted((int(i), int(line), raw, int(fails or 0)) for i, line, raw, fails in rows)
     return ClaimedShard(shard_id, batch_id, index, model or "", prefix_key, requests)
 
 
@@ -155,6 +169,19 @@ def _quarantine(
     )
     close_unfinished(session, batch_id, REQUEST_QUARANTINED, message, index, 500)
     close_shards(session, [(shard_id, batch_id)], heartbeat_timeout)
+
+
+def record_engine_failure(session: Session, request_ids: list[int]) -> None:
+    """These requests were in the engine's step when it failed: each counts one more engine
+    death against it (`ClaimedShard.requests` carries the count to the next run)."""
+    if request_ids:
+        session.connection().execute(_ADD_ENGINE_FAILURE, {"ids": request_ids})
+
+
+def forget_message(session: Session, shard_id: int) -> None:
+    """The task of a queued shard ended without claiming it: no broker message carries it now,
+    so the reconciler sends it again."""
+    session.connection().execute(_FORGET_MESSAGE, {"shard_id": shard_id})
 
 
 def give_back_attempt(session: Session, shard_id: int) -> None:

@@ -6,7 +6,10 @@ queues, and the loop adds them between steps. A step's batch mixes requests of e
 the loop thread, which must return quickly (it hands the output to the result writer).
 
 What goes wrong with one request (the engine refuses it, a callback raises) is that job's error
-alone; only an error of the engine itself (a step that raises) ends the loop.
+alone; only an error of the engine itself (a step that raises) ends the loop, and the requests
+in that step are its suspects. A suspect job (`solo`) is run alone: new jobs wait while the
+engine drains, then each solo job runs with nothing beside it, so a second failure names the
+request that causes it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import contextlib
 import logging
 import queue
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +38,7 @@ class EngineJob:
     priority: int = 0  # lower goes first: online requests before batch work
     # called with the output so far after each step that gives a streamed request a token
     on_partial: Callable[[Any], None] | None = None
+    solo: bool = False  # run with no other request in the engine (it was in a failed step)
 
     @staticmethod
     def batch_of(request_id: str) -> str:
@@ -57,6 +61,10 @@ class EngineService(threading.Thread):
         self.co_scheduled: Counter[tuple[str, str]] = Counter()
         self.steps = 0
         self.failure: BaseException | None = None
+        self.suspects: list[str] = []  # the requests in the step that failed
+        self.solo: deque[EngineJob] = deque()  # to run alone, one after the other
+        self.held: deque[EngineJob] = deque()  # waiting for the solo jobs to end
+        self.solo_running: str | None = None
 
     # ---- called from task threads ------------------------------------------------------------
     def submit(self, jobs: list[EngineJob]) -> None:
@@ -98,7 +106,8 @@ class EngineService(threading.Thread):
                 self.steps += 1
         except BaseException as err:  # the engine broke: the process must not look healthy
             self.failure = err
-            log.exception("the engine loop failed")
+            self.suspects = self._in_step()
+            log.exception("the engine loop failed; in its step: %s", self.suspects)
             if self.on_failure is not None:
                 try:
                     self.on_failure(err)
@@ -106,35 +115,62 @@ class EngineService(threading.Thread):
                     log.exception("could not act on the engine's failure")
             raise
 
+    def _in_step(self) -> list[str]:
+        """The requests of the step that failed: those the engine runs (all in flight, for an
+        engine that does not say)."""
+        try:
+            return sorted(set(self.engine.running_request_ids()) & self.jobs.keys())
+        except Exception:
+            return sorted(self.jobs)
+
     def _take_jobs(self) -> None:
         while True:
             try:
                 job = self.inbox.get_nowait()
             except queue.Empty:
-                return
-            try:
-                self.engine.add_request(
-                    job.request_id,
-                    job.prompt,
-                    job.params,
-                    priority=job.priority,
-                    stream=job.on_partial is not None,
-                )
-            except ValueError as err:  # the request is bad (too long, ...): the engine is fine
-                self._refuse(job, err)
-                continue
-            except Exception as err:
-                log.warning(
-                    "the engine could not take request %s: %s: %s",
-                    job.request_id,
-                    type(err).__name__,
-                    err,
-                )
-                with contextlib.suppress(Exception):  # whatever of it the engine kept
-                    self.engine.abort(job.request_id)
-                self._refuse(job, err)
-                continue
-            self.jobs[job.request_id] = job
+                break
+            if job.solo:
+                self.solo.append(job)
+            elif self.solo or self.solo_running is not None:
+                self.held.append(job)
+            else:
+                self._add(job)
+        if self.solo_running is not None and self.solo_running not in self.jobs:
+            self.solo_running = None
+        if self.solo_running is None and self.solo and not self.engine.has_unfinished():
+            job = self.solo.popleft()
+            if self._add(job):
+                self.solo_running = job.request_id
+        if self.solo_running is None and not self.solo:
+            while self.held:
+                self._add(self.held.popleft())
+
+    def _add(self, job: EngineJob) -> bool:
+        """Hand `job` to the engine; False when the engine refused it."""
+        try:
+            self.engine.add_request(
+                job.request_id,
+                job.prompt,
+                job.params,
+                priority=job.priority,
+                stream=job.on_partial is not None,
+            )
+        except ValueError as err:  # the request is bad (too long, ...): the engine is fine
+            self._refuse(job, err)
+            return False
+        except Exception as err:
+            log.warning(
+                "the engine could not take request %s: %s: %s",
+                job.request_id,
+                type(err).__name__,
+                err,
+            )
+            with contextlib.suppress(Exception):  # whatever of it the engine kept
+                self.engine.abort(job.request_id)
+            self._refuse(job, err)
+            return False
+        self.jobs[job.request_id] = job
+        return True
 
     def _deliver(self, output: Any) -> None:
         finished = getattr(output, "finished", True)
@@ -170,6 +206,9 @@ class EngineService(threading.Thread):
                 return
             if self.jobs.pop(request_id, None) is not None:
                 self.engine.abort(request_id)
+            else:  # not yet in the engine
+                self.solo = deque(j for j in self.solo if j.request_id != request_id)
+                self.held = deque(j for j in self.held if j.request_id != request_id)
 
     def _record_mix(self, finished: list[Any]) -> None:
         """Count the pairs of batches whose requests were in the step that just ran."""

@@ -56,12 +56,16 @@ def start_runtime(
     served_names: list[str] | None,
     config: EngineConfig,
     name: str | None = None,
+    restart_engine: bool = False,
 ) -> WorkerRuntime:
+    """The worker runtime, started. With `restart_engine`, an engine that fails is built anew
+    in this process (for the embedded service, which no supervisor restarts)."""
     if model != ECHO_MODEL:
         config = pick_device(settings, config)
     engine = build_engine(model, config)
     names = served_model_names(model, served_names)
-    runtime = WorkerRuntime(settings, engine, names, name=name)
+    rebuild = (lambda: build_engine(model, config)) if restart_engine else None
+    runtime = WorkerRuntime(settings, engine, names, name=name, rebuild_engine=rebuild)
     runtime.start()
     return runtime
 

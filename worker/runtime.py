@@ -14,12 +14,13 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from sqlalchemy import update
 
-from conveyor.batch_format.errors import INTERNAL_ERROR, BatchRequestError, classify_engine_error
+from conveyor.batch_format.errors import INTERNAL_ERROR, REQUEST_QUARANTINED, BatchRequestError
 from conveyor.batch_format.request_line import (
     ParsedRequest,
     apply_max_tokens_cap,
@@ -36,7 +37,7 @@ from conveyor.dispatch.celery_app import make_celery
 from conveyor.dispatch.online import bus_for, online_queue
 from conveyor.dispatch.queues import queue_for, worker_queue
 from conveyor.dispatch.reconciler import ReconcilerLoop, reconcile
-from conveyor.engine_request import prepare_request
+from conveyor.engine_request import engine_error, internal_error, prepare_request
 from conveyor.logs import bind, log_context
 from conveyor.settings import Settings
 from ledger.db import Ledger
@@ -46,7 +47,9 @@ from ledger.shard_lifecycle import (
     ClaimedShard,
     claim_shard,
     close_shards,
+    forget_message,
     give_back_attempt,
+    record_engine_failure,
     shard_heartbeat,
 )
 from ledger.states import BatchStatus
@@ -80,8 +83,13 @@ class WorkerRuntime:
         engine: Any,
         model_names: list[str],
         name: str | None = None,
+        rebuild_engine: Callable[[], Any] | None = None,
     ) -> None:
+        """`rebuild_engine`, when given, makes a new engine after the engine failed, and the
+        runtime goes on with it (the embedded service, which nothing restarts); without it the
+        process shuts down, to be restarted by its supervisor."""
         self.settings = settings
+        self.rebuild_engine = rebuild_engine
         self.engine = engine
         self.model_names = list(dict.fromkeys(model_names))
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
@@ -110,8 +118,14 @@ class WorkerRuntime:
         self.stopped = threading.Event()
         # set by a SIGTERM's deadline: running shards abort what is left and go back to queued
         self.handing_back = threading.Event()
-        # set when the engine loop died: running shards go back, the process exits
+        # set when the engine loop died: running shards go back, the process exits (or, with
+        # `rebuild_engine`, waits for a new engine: `engine_ready` is set again)
         self.engine_failed = threading.Event()
+        self.engine_ready = threading.Event()
+        self.engine_ready.set()
+        self.engine_restarts = 0
+        self._shard_runs = 0  # shard tasks running now
+        self._shard_runs_lock = threading.Lock()
         self._registration = threading.Lock()  # a heartbeat cannot revive a withdrawn row
         self.heartbeat = threading.Thread(
             target=self._heartbeat_loop, daemon=True, name="conveyor-worker-heartbeat"
@@ -173,20 +187,76 @@ class WorkerRuntime:
                 log.warning("could not deregister worker %s", self.name)
 
     def _engine_failed(self, err: BaseException) -> None:
-        """The engine loop died (called from its thread): stop announcing this worker, and
-        shut down as on SIGTERM; the running shards see the failure and hand their unfinished
-        requests back, and `conveyor worker` then exits with ENGINE_FAILED_EXIT."""
+        """The engine loop died (called from its thread): count the failure against the
+        batch requests of its step, and stop announcing this worker; the running shards see
+        the failure and hand their unfinished requests back. Then the engine is built anew
+        (`rebuild_engine`), or the process shuts down as on SIGTERM and `conveyor worker`
+        exits with ENGINE_FAILED_EXIT."""
+        self.engine_ready.clear()
+        self.engine_failed.set()
+        suspects = self._record_suspects(self.service.suspects)
+        then = (
+            "builds a new engine"
+            if self.rebuild_engine is not None
+            else f"exits with status {ENGINE_FAILED_EXIT}"
+        )
         log.error(
-            "the engine failed (%s: %s): worker %s withdraws, hands its shards back and exits "
-            "with status %d",
+            "the engine failed (%s: %s) with %d batch request(s) in its step: worker %s "
+            "withdraws, hands its shards back and %s",
             type(err).__name__,
             err,
+            suspects,
             self.name,
-            ENGINE_FAILED_EXIT,
+            then,
         )
-        self.engine_failed.set()
         self._withdraw()
-        os.kill(os.getpid(), signal.SIGTERM)
+        self.online.fail_in_flight()
+        if self.rebuild_engine is None:
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        threading.Thread(target=self._restart_engine, name="conveyor-engine-restart").start()
+
+    def _record_suspects(self, engine_ids: list[str]) -> int:
+        """Count one engine failure against each batch request in the failed step (online
+        requests are answered with an error and not retried)."""
+        ids = [int(i.rsplit(":", 1)[1]) for i in engine_ids if i.startswith("batch_")]
+        for delay in (0.2, 1.0, 5.0, None):
+            try:
+                with self.ledger.session() as session:
+                    record_engine_failure(session, ids)
+                return len(ids)
+            except Exception:
+                if delay is None:  # the shards' runs count as failures instead
+                    log.exception("could not record the engine failure against its requests")
+                    return 0
+                time.sleep(delay)
+        return 0
+
+    def _restart_engine(self) -> None:
+        """Wait for the running shards to hand back, build a new engine, take work again."""
+        deadline = time.monotonic() + max(10.0, 3 * self.settings.heartbeat_timeout)
+        while self._shard_runs and time.monotonic() < deadline:
+            time.sleep(0.1)
+        try:
+            engine = self.rebuild_engine()  # type: ignore[misc]
+        except Exception:
+            log.exception("could not build a new engine: worker %s shuts down", self.name)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        self.engine = engine
+        self.service = EngineService(engine, on_failure=self._engine_failed)
+        self.service.start()
+        self.online.use_engine(self.service, engine)
+        self.metrics.use_engine(engine)
+        self.engine_restarts += 1
+        self.engine_failed.clear()
+        self.engine_ready.set()
+        self._register()
+        log.info("worker %s runs a new engine (restart %d)", self.name, self.engine_restarts)
+        try:  # the shards handed back go out again now, not at the next periodic pass
+            reconcile(self.ledger, self.app, self.settings)
+        except Exception:
+            log.exception("reconcile after the engine restart failed; the periodic one retries")
 
     def _heartbeat_loop(self) -> None:
         while not self.stopped.wait(min(5.0, self.settings.heartbeat_interval * 2)):
@@ -214,11 +284,34 @@ class WorkerRuntime:
 
     def run_shard(self, shard_id: int) -> str:
         with log_context(shard_id=shard_id, worker=self.name):
-            return self._run_shard(shard_id)
+            if not self._engine_up():  # delivered during shutdown: leave it to another worker
+                self._forget_message(shard_id)
+                return "handed back"
+            with self._shard_runs_lock:
+                self._shard_runs += 1
+            try:
+                return self._run_shard(shard_id)
+            finally:
+                with self._shard_runs_lock:
+                    self._shard_runs -= 1
+
+    def _engine_up(self) -> bool:
+        """Whether shards can run here: not shutting down, and the engine is up (or comes
+        back up within the heartbeat timeout, when it is being rebuilt)."""
+        if self.handing_back.is_set():
+            return False
+        if self.rebuild_engine is not None:
+            self.engine_ready.wait(max(30.0, 2 * self.settings.heartbeat_timeout))
+        return not self.engine_failed.is_set() and not self.handing_back.is_set()
+
+    def _forget_message(self, shard_id: int) -> None:
+        try:
+            with self.ledger.session() as session:
+                forget_message(session, shard_id)
+        except Exception:  # the reconciler finds it once its grace has passed
+            log.warning("could not mark shard %s as needing a new message", shard_id)
 
     def _run_shard(self, shard_id: int) -> str:
-        if self.handing_back.is_set() or self.engine_failed.is_set():
-            return "handed back"  # delivered during shutdown: leave it to another worker
         claim = self._claim(shard_id)
         if claim is None:
             return "skipped"
@@ -230,15 +323,16 @@ class WorkerRuntime:
         pending = PendingResults(shard_id, claim.batch_id, len(claim.requests))
         jobs = [self._job(claim, pending, *request) for request in claim.requests]
         jobs = [job for job in jobs if job is not None]
-        self.service.submit(jobs)
+        service = self.service
+        service.submit(jobs)
         if not claim.requests:  # all done on an earlier run: the writer has nothing to close
             self._finish_shard(shard_id, claim.batch_id, cleanly=True)
             return "done"
-        if self._wait_for_results(shard_id, pending):
+        if self._wait_for_results(shard_id, pending, service):
             return "done"  # the writer closed the shard with its last result
         pending.take_over()
-        self.service.abort([job.request_id for job in jobs])
-        return self._stop_early(shard_id, claim.batch_id)
+        service.abort([job.request_id for job in jobs])
+        return self._stop_early(shard_id, claim.batch_id, service)
 
     def _claim(self, shard_id: int) -> ClaimedShard | None:
         settings = self.settings
@@ -259,11 +353,21 @@ class WorkerRuntime:
         return claim
 
     def _job(
-        self, claim: ClaimedShard, pending: PendingResults, request_id: int, line: int, raw: str
+        self,
+        claim: ClaimedShard,
+        pending: PendingResults,
+        request_id: int,
+        line: int,
+        raw: str,
+        engine_failures: int,
     ) -> EngineJob | None:
         """The engine job of one request of the shard, or None when the request fails before
-        it reaches the engine (its error line is written)."""
+        it reaches the engine (its error line is written). A request that was in the step of
+        an engine failure runs alone; one in `max_request_failures` of them is quarantined."""
         batch_id = claim.batch_id
+        if engine_failures >= self.settings.max_request_failures:
+            self._write(batch_id, request_id, self._quarantined(raw, line), pending, line)
+            return None
         try:
             parsed = parse_request_line(raw, line=line)
             apply_max_tokens_cap(parsed, self.settings.max_tokens_cap)
@@ -271,12 +375,13 @@ class WorkerRuntime:
         except BatchRequestError as err:
             self._write(batch_id, request_id, error_line_from_exception(err), pending, line)
             return None
-        except Exception as err:  # a fault of ours with this line: it fails alone
-            log.exception("shard %s: request %s could not be prepared", claim.shard_id, request_id)
-            message = f"could not prepare this request: {type(err).__name__}: {err}"
+        except Exception:  # a fault of ours with this line: it fails alone
+            engine_id = f"{batch_id}:{request_id}"
+            log.exception("request %s: internal error while preparing it", engine_id)
             error = build_error_line(
-                peek_custom_id(raw), INTERNAL_ERROR, message, line=line, status_code=500
-            )
+                peek_custom_id(raw), INTERNAL_ERROR, internal_error(engine_id), line=line,
+                status_code=500,
+            )  # fmt: skip
             self._write(batch_id, request_id, error, pending, line)
             return None
         return EngineJob(
@@ -286,13 +391,29 @@ class WorkerRuntime:
             on_done=partial(self._on_done, batch_id, request_id, parsed, claim.model, pending),
             on_error=partial(self._on_refused, batch_id, request_id, parsed, pending),
             priority=BATCH_PRIORITY,
+            solo=engine_failures > 0,
         )
 
-    def _wait_for_results(self, shard_id: int, pending: PendingResults) -> bool:
+    def _quarantined(self, raw: str, line: int) -> dict[str, Any]:
+        failures = self.settings.max_request_failures
+        message = (
+            f"this request was not run again: the engine failed {failures} times while it "
+            f"ran, the last time with no other request beside it "
+            f"(CONVEYOR_MAX_REQUEST_FAILURES={failures})"
+        )
+        log.warning("line %d quarantined: %s", line, message)
+        return build_error_line(
+            peek_custom_id(raw), REQUEST_QUARANTINED, message, line=line, status_code=500
+        )
+
+    def _wait_for_results(
+        self, shard_id: int, pending: PendingResults, service: EngineService
+    ) -> bool:
         """Heartbeat the shard until all its results are committed (True), or until it must
-        stop early (False): shutdown, the engine failed, or its batch no longer runs."""
+        stop early (False): shutdown, the engine (`service`'s) failed, or its batch no longer
+        runs."""
         while not pending.wait(self.settings.heartbeat_interval):
-            if self.handing_back.is_set() or self.engine_failed.is_set():
+            if self.handing_back.is_set() or service.failure is not None:
                 return False
             try:
                 with self.ledger.session() as session:
@@ -304,14 +425,15 @@ class WorkerRuntime:
                 return False
         return True
 
-    def _stop_early(self, shard_id: int, batch_id: str) -> str:
+    def _stop_early(self, shard_id: int, batch_id: str, service: EngineService) -> str:
         """Close a shard stopped before its end: what finished stays, the rest is queued
-        again; the run counts as a failure only when the engine failed."""
-        if self.engine_failed.is_set():
+        again. The engine's failure counts against the requests of its step; it counts against
+        the shard's run only when those could not be named."""
+        if service.failure is not None:
             log.warning("shard %s: the engine failed; handing back what is unfinished", shard_id)
             # what the engine finished before is committed first, so no run repeats it
             self.writer.drain(timeout=max(5.0, self.settings.heartbeat_timeout))
-            self._finish_shard(shard_id, batch_id)
+            self._finish_shard(shard_id, batch_id, cleanly=bool(service.suspects))
             return "handed back: the engine failed"
         if self.handing_back.is_set():
             log.info("shard %s: handing back its unfinished requests", shard_id)
@@ -335,16 +457,15 @@ class WorkerRuntime:
     # ---- results (called from the engine thread) -------------------------------------------
     def _on_done(self, batch_id, request_id, parsed, model, pending, output) -> None:
         if (error := getattr(output, "error", None)) is not None:
-            line = self._internal_error(parsed, f"the engine failed on this request: {error}")
-            self._write(batch_id, request_id, line, pending, parsed.line)
+            self._on_refused(batch_id, request_id, parsed, pending, error)
             return
         self.metrics.observe_request(output)
         try:
             line = build_output_line(parsed, output, model, self.decoder)
-        except Exception as err:
-            line = self._internal_error(
-                parsed, f"could not format the result: {type(err).__name__}: {err}"
-            )
+        except Exception:
+            engine_id = f"{batch_id}:{request_id}"
+            log.exception("request %s: internal error while formatting its result", engine_id)
+            line = self._internal_error(parsed, internal_error(engine_id))
             self._write(batch_id, request_id, line, pending, parsed.line)
             return
         completion = sum(len(c.token_ids) for c in output.outputs)
@@ -360,15 +481,11 @@ class WorkerRuntime:
             cached_tokens=int(getattr(output, "num_cached_tokens", 0) or 0),
         )
 
-    def _on_refused(self, batch_id, request_id, parsed, pending, err: Exception) -> None:
-        if isinstance(err, ValueError):  # the engine's word that the request is bad
-            code, param = classify_engine_error(str(err), parsed.is_chat)
-            line = build_error_line(parsed.custom_id, code, str(err), line=parsed.line, param=param)
-        else:
-            line = self._internal_error(
-                parsed, f"the engine failed on this request: {type(err).__name__}: {err}"
-            )
-        self._write(batch_id, request_id, line, pending, parsed.line)
+    def _on_refused(self, batch_id, request_id, parsed, pending, err) -> None:
+        """The engine refused the request, or gave up on it (`err`: an exception or the
+        output's `RequestFailure`)."""
+        error = engine_error(err, parsed, f"{batch_id}:{request_id}")
+        self._write(batch_id, request_id, error_line_from_exception(error), pending, parsed.line)
 
     @staticmethod
     def _internal_error(parsed: ParsedRequest, message: str) -> dict[str, Any]:

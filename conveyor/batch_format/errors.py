@@ -83,21 +83,6 @@ class FileLimitError(Exception):
         super().__init__(message)
 
 
-def classify_engine_error(message: str, is_chat: bool) -> tuple[str, str]:
-    """The error code and the body field for a `ValueError` the engine raised when the request
-    was added."""
-    lowered = message.lower()
-    if lowered.startswith("cannot compile the"):
-        return INVALID_RESPONSE_FORMAT, "body.response_format"
-    for field in ("logit_bias", "allowed_token_ids"):
-        if lowered.startswith(field):
-            return INVALID_SAMPLING_PARAMS, f"body.{field}"
-    prompt = "body.messages" if is_chat else "body.prompt"
-    if "too long" in lowered or "max_model_len" in lowered:
-        return CONTEXT_LENGTH_EXCEEDED, prompt
-    return INVALID_PROMPT, prompt
-
-
 def describe(value: Any, limit: int = 60) -> str:
     """`value` as an error message quotes it: JSON, cut to `limit` characters."""
     try:

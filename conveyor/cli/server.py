@@ -171,7 +171,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     try:
-        runtime = start_runtime(settings, model, names, engine_config(args))
+        runtime = start_runtime(settings, model, names, engine_config(args), restart_engine=True)
     except Exception as err:
         return fail("serve", f"cannot start the worker: {type(err).__name__}: {err}")
     thread = threading.Thread(target=server.run, name="conveyor-api", daemon=True)

@@ -157,19 +157,27 @@ class Stack:
 
 @contextlib.contextmanager
 def embedded_serve(
-    root: Path, model: Path, served_name: str, *extra: str, timeout: float = 180
+    root: Path,
+    model: Path | str,
+    served_name: str,
+    *extra: str,
+    timeout: float = 180,
+    launcher: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> Iterator[str]:
     """`conveyor serve` with the API and its worker in one process (no PostgreSQL, no Redis),
-    serving `model` as `served_name`; yields its URL once the worker is ready."""
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
-    env |= {"CONVEYOR_DATA_DIR": str(root / "data"), "PYTHONUNBUFFERED": "1"}
+    serving `model` as `served_name`, run by `launcher` (see `conveyor_argv`) with `env` added
+    to this process's environment; yields its URL once the worker is ready."""
+    base = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env = base | {"CONVEYOR_DATA_DIR": str(root / "data"), "PYTHONUNBUFFERED": "1"} | (env or {})
     port = free_port()
     args = ["serve", "--port", str(port), "--model", str(model),
             "--served-model-name", served_name, *extra]  # fmt: skip
     log_path = root / "serve.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            conveyor_argv(args), env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT,
+            conveyor_argv(args, launcher), env=env, cwd=root, stdout=log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
     try:

@@ -200,12 +200,14 @@ def test_a_shard_runs_to_the_end_of_its_batch(any_ledger: Ledger):
         claim = shard_lifecycle.claim_shard(session, first_id, "w1")
     assert claim is not None and claim.batch_id == batch_id and len(claim.requests) == 3
     assert claim.model == "tiny"
-    done_ids = [request_id for request_id, _, _ in claim.requests[:2]]
+    done_ids = [request_id for request_id, *_ in claim.requests[:2]]
     with any_ledger.session() as session:
         results.record_results(session, [result_row(batch_id, i) for i in done_ids])
         shard_lifecycle.close_shards(session, [(first_id, batch_id)], 60)
     with any_ledger.session() as session:
-        assert session.get(ShardRow, first_id).status == "queued"  # one request left
+        shard = session.get(ShardRow, first_id)
+        assert shard.status == "queued"  # one request left
+        assert shard.enqueued_at is None  # and no message carries it: the reconciler sends one
         again = shard_lifecycle.claim_shard(session, first_id, "w2")
     assert again is not None and [r[0] for r in again.requests] == [claim.requests[2][0]]
     with any_ledger.session() as session:
@@ -290,9 +292,41 @@ def test_a_shard_that_keeps_failing_is_quarantined(any_ledger: Ledger):
         assert "failed 2 times" in error["error"]["message"]
         assert "CONVEYOR_MAX_SHARD_ATTEMPTS=2" in error["error"]["message"]
     assert sorted(e["error"]["line"] for e in errors) == sorted(
-        line for rid, line, _ in first.requests if rid in taken
+        line for rid, line, *_ in first.requests if rid in taken
     )
     assert {e["custom_id"] for e in errors} == {
-        lines[line - 1]["custom_id"] for rid, line, _ in first.requests if rid in taken
+        lines[line - 1]["custom_id"] for rid, line, *_ in first.requests if rid in taken
     }
     assert claim() is None  # a finished batch runs nothing
+
+
+def test_engine_failures_count_per_request_and_reach_the_next_claim(any_ledger: Ledger):
+    """The requests in a failed engine step each count one failure; the next claim of their
+    shard says how many each has (the worker runs those alone, or quarantines them)."""
+    batch_id, shards = make_batch(any_ledger, batch_lines(3), shard_size=3)
+    ((shard_id, _, _),) = shards
+    with any_ledger.session() as session:
+        claim = shard_lifecycle.claim_shard(session, shard_id, "w1")
+    assert claim is not None and [r[3] for r in claim.requests] == [0, 0, 0]
+    first, second, _ = (r[0] for r in claim.requests)
+    with any_ledger.session() as session:
+        shard_lifecycle.record_engine_failure(session, [first, second])
+        shard_lifecycle.record_engine_failure(session, [second])
+        shard_lifecycle.record_engine_failure(session, [])
+        shard_lifecycle.close_shards(session, [(shard_id, batch_id)], 60)
+    with any_ledger.session() as session:
+        again = shard_lifecycle.claim_shard(session, shard_id, "w2")
+    assert again is not None and [r[3] for r in again.requests] == [1, 2, 0]
+
+
+def test_a_task_that_ends_unclaimed_leaves_its_shard_to_the_reconciler(any_ledger: Ledger):
+    batch_id, shards = make_batch(any_ledger, batch_lines(2), shard_size=2)
+    ((shard_id, _, _),) = shards
+    with any_ledger.session() as session:
+        shard_lifecycle.mark_enqueued(session, [session.get(ShardRow, shard_id)])
+    with any_ledger.session() as session:
+        assert shard_lifecycle.shards_to_enqueue(session, batch_id, lambda: None, 60, 60) == []
+        shard_lifecycle.forget_message(session, shard_id)
+    with any_ledger.session() as session:
+        lost = shard_lifecycle.shards_to_enqueue(session, batch_id, lambda: None, 60, 60)
+    assert [s.id for s in lost] == [shard_id]  # even where the broker cannot be looked into

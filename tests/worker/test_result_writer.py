@@ -70,7 +70,7 @@ def test_a_row_that_cannot_be_stored_becomes_its_error_line(database_url: str) -
     items, bad = [], {}
     for pending, requests in claimed:
         names = custom_ids(ledger, requests)
-        for request_id, line, _ in requests:
+        for request_id, line, *_ in requests:
             row = output_row(batch_id, request_id, names[request_id], f"answer {line}")
             items.append(WriteItem(row, pending, names[request_id], line))
     # one row per shard the ledger cannot take: a lone surrogate in the output (echoed
@@ -135,7 +135,7 @@ def test_a_database_that_refuses_every_write_does_not_turn_results_into_errors(
     writer = ResultWriter(ledger, heartbeat_timeout=60)
     pending, requests = claimed[0]
     names = custom_ids(ledger, requests)
-    for request_id, line, _ in requests:
+    for request_id, line, *_ in requests:
         row = output_row(batch_id, request_id, names[request_id], "fine")
         writer.put(WriteItem(row, pending, names[request_id], line))
     writer.start()
