@@ -33,8 +33,38 @@ FIELDS = {
     "allowed_token_ids": IDS,
     "ignore_eos": st.booleans(),
 }
+# what a client would send, seeds of any size among them: half of the bodies
+SMALL_IDS = st.lists(st.integers(0, 60), min_size=1, max_size=5)
+PLAUSIBLE = {
+    "n": st.integers(1, 3),
+    "temperature": st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+    "top_p": st.floats(min_value=1e-3, max_value=1.0),
+    "top_k": st.integers(-1, 64),
+    "min_p": st.floats(min_value=0.0, max_value=1.0),
+    "seed": st.integers(-(2**63), 2**63 - 1),
+    "max_tokens": st.integers(1, 8),
+    "min_tokens": st.integers(0, 1),
+    "stop": st.lists(st.text(min_size=1, max_size=3), max_size=3),
+    "stop_token_ids": SMALL_IDS,
+    "presence_penalty": st.floats(min_value=-2.0, max_value=2.0),
+    "frequency_penalty": st.floats(min_value=-2.0, max_value=2.0),
+    "repetition_penalty": st.floats(min_value=0.1, max_value=3.0),
+    "logit_bias": st.dictionaries(st.integers(0, 60).map(str), st.floats(-100, 100), max_size=3),
+    "allowed_token_ids": SMALL_IDS,
+    "ignore_eos": st.booleans(),
+}
 CHAT_ONLY = {"logprobs": st.booleans(), "top_logprobs": ANY_INT, "max_completion_tokens": ANY_INT}
 PROMPT = st.one_of(st.text(max_size=20), st.lists(ANY_INT, min_size=1, max_size=5))
 COMPLETION_ONLY = {"logprobs": ANY_INT, "echo": st.booleans(), "best_of": ANY_INT}
-COMPLETIONS = st.fixed_dictionaries({"prompt": PROMPT}, optional=FIELDS | COMPLETION_ONLY)
-CHATS = st.fixed_dictionaries({}, optional=FIELDS | CHAT_ONLY)
+PLAUSIBLE_COMPLETION = {"logprobs": st.integers(0, 5), "echo": st.booleans()}
+COMPLETIONS = st.one_of(
+    st.fixed_dictionaries({"prompt": PROMPT}, optional=FIELDS | COMPLETION_ONLY),
+    st.fixed_dictionaries(
+        {"prompt": st.one_of(st.text(min_size=1, max_size=20), SMALL_IDS)},
+        optional=PLAUSIBLE | PLAUSIBLE_COMPLETION,
+    ),
+)
+CHATS = st.one_of(
+    st.fixed_dictionaries({}, optional=FIELDS | CHAT_ONLY),
+    st.fixed_dictionaries({}, optional=PLAUSIBLE | {"logprobs": st.booleans()}),
+)

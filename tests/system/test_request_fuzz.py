@@ -76,7 +76,7 @@ def test_hostile_numbers_never_reach_a_5xx_or_kill_the_engine(
         fuzz(client, "/v1/chat/completions", CHATS, ONLINE_CASES // 3, sent)
         answered = sum(ok for _, _, ok in sent)
         print(f"{len(sent)} online cases, {answered} answered")
-        assert len(sent) >= ONLINE_CASES and answered >= len(sent) // 10
+        assert len(sent) >= ONLINE_CASES and answered >= len(sent) // 5
 
         # the same bodies as batch lines, every one in the engine's continuous batches at once
         completions = [b for url, b, _ in sent if url == "/v1/completions"]
