@@ -10,6 +10,10 @@ latency: from a client's hang-up to its sequence gone from the engine (the worke
 
 Starts its own API and worker (a tiny random Llama on this machine's CPU) on a fresh
 PostgreSQL database (DATABASE_URL, default the local server) and a throwaway redis-server.
+On a machine of a few cores the worker gets cores of its own (`--worker-cpus`, default the
+first half; one torch thread per core) and the API, Redis and the clients the others, as a
+GPU worker has its host's cores to itself: otherwise what is measured is the clients and the
+API taking the engine's cores, not what the clients' requests cost the engine.
 The last line printed is one JSON object.
 """
 
@@ -51,6 +55,8 @@ NOTABLE_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 RUNNING = "conveyor:num_requests_running"
 ABORTS = "conveyor:online_aborts_total"
 PREEMPTIONS = "conveyor:num_preemptions_total"
+GENERATED = "conveyor:generation_tokens_total"
+STREAM_MAX_TOKENS = 500  # what a dropped stream asks for: what it would cost if never aborted
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,7 +67,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-drops", type=int, default=5000, help="hang-ups at most, all clients")
     ap.add_argument("--max-seconds", type=float, default=300, help="per run of the batch")
     ap.add_argument("--latency-samples", type=int, default=20)
+    ap.add_argument(
+        "--worker-cpus",
+        help="cores of the worker, e.g. 0 or 0-3 (default: the first half of this process's); "
+        "'all' shares every core with the API and the clients",
+    )
     return ap.parse_args(argv)
+
+
+def split_cpus(spec: str | None) -> tuple[set[int], set[int]]:
+    """(the worker's cores, everyone else's)."""
+    mine = sorted(os.sched_getaffinity(0))
+    if spec == "all" or len(mine) < 2:
+        return set(mine), set(mine)
+    if spec is None:
+        worker = set(mine[: len(mine) // 2])
+    else:
+        worker = set()
+        for part in spec.split(","):
+            low, _, high = part.partition("-")
+            worker.update(range(int(low), int(high or low) + 1))
+    return worker, set(mine) - worker or worker
 
 
 def cpu_isa() -> str:
@@ -105,8 +131,8 @@ def scrape(url: str) -> dict[str, float]:
 
 def stream_body(tag: str) -> dict:
     prompt = f"Client {tag}: tell a long story about the sea and the ships on it"
-    return {"model": "tiny", "prompt": prompt, "max_tokens": 500, "ignore_eos": True,
-            "stream": True}  # fmt: skip
+    return {"model": "tiny", "prompt": prompt, "max_tokens": STREAM_MAX_TOKENS,
+            "ignore_eos": True, "stream": True}  # fmt: skip
 
 
 def drop_stream(client: httpx.Client, tag: str) -> float:
@@ -195,11 +221,17 @@ def abort_latencies(api: str, metrics: str, samples: int) -> list[float]:
     return found
 
 
-def measure(stack: Stack, args: argparse.Namespace) -> dict:
+def measure(stack: Stack, args: argparse.Namespace, worker_cpus: set[int]) -> dict:
     stack.start_api()
     port = free_port()
     model = write_tiny_model(stack.root / "model", "llama")
-    stack.start_worker("w1", model, "--metrics-port", str(port))
+    others = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, worker_cpus)  # the worker and its threads start on its cores
+    stack.env["OMP_NUM_THREADS"] = str(len(worker_cpus))
+    try:
+        stack.start_worker("w1", model, "--metrics-port", str(port))
+    finally:
+        os.sched_setaffinity(0, others)
     metrics = f"http://127.0.0.1:{port}/metrics"
     run_batch(stack, "warm", argparse.Namespace(**{**vars(args), "requests": 32}))
     before = scrape(metrics)
@@ -210,6 +242,11 @@ def measure(stack: Stack, args: argparse.Namespace) -> dict:
     time.sleep(1)  # the last hang-ups reach the worker
     after = scrape(metrics)
     aborts = after.get(ABORTS, 0.0) - between.get(ABORTS, 0.0)
+    # tokens generated for the dropped streams: what the clients read (two chunks) and what
+    # was in flight when the abort came, where without aborts it would be STREAM_MAX_TOKENS
+    batch_tokens = args.requests * args.max_tokens
+    online_tokens = after[GENERATED] - between[GENERATED] - batch_tokens
+    busy["tokens_per_drop"] = round(online_tokens / max(1, churn.drops), 2)
     quiet["preemptions"] = int(between[PREEMPTIONS] - before[PREEMPTIONS])
     busy["preemptions"] = int(after[PREEMPTIONS] - between[PREEMPTIONS])
     latencies = abort_latencies(stack.api_url, metrics, args.latency_samples)
@@ -219,13 +256,17 @@ def measure(stack: Stack, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    worker_cpus, other_cpus = split_cpus(args.worker_cpus)
+    os.sched_setaffinity(0, other_cpus)  # what this process starts runs there too
     with deployment() as stack:
-        seen = measure(stack, args)
+        seen = measure(stack, args, worker_cpus)
     ratio = seen["churn"]["tok_s"] / seen["quiet"]["tok_s"]
     lat_ms = sorted(x * 1000 for x in seen.pop("latencies"))
     report = {
         "bench": "online_churn",
         "clients": args.clients,
+        "worker_cpus": sorted(worker_cpus),
+        "other_cpus": sorted(other_cpus),
         "batch_requests": args.requests,
         "max_tokens": args.max_tokens,
         **{f"quiet_{k}": v for k, v in seen.pop("quiet").items()},
@@ -244,7 +285,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"batch of {args.requests}: {report['quiet_tok_s']} tok/s quiet, "
         f"{report['churn_tok_s']} tok/s while {args.clients} clients dropped "
         f"{report['drops']} streams (ratio {ratio:.3f}, goal >= {GOAL_RATIO}); abort latency "
-        f"p50 {report['abort_latency_ms_p50']} ms, max {report['abort_latency_ms_max']} ms"
+        f"p50 {report['abort_latency_ms_p50']} ms, max {report['abort_latency_ms_max']} ms; "
+        f"{report['churn_tokens_per_drop']} tokens generated per dropped stream (of "
+        f"{STREAM_MAX_TOKENS} asked)"
     )
     print_result(report)
     return report

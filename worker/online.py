@@ -46,6 +46,7 @@ from worker.metrics import ONLINE_ABORTS
 log = logging.getLogger(__name__)
 
 ONLINE_PRIORITY = 0  # ahead of batch work
+ANSWERS_PER_SEND = 256  # answers pushed to the bus in one round trip at most
 ENGINE_FAILED = "the engine failed while running this request; retry it"
 URLS = {"completion": COMPLETIONS_URL, "chat": CHAT_URL}
 # how long a cancellation of a request this worker has not seen is kept: it may have taken the
@@ -302,11 +303,17 @@ class OnlineServer(threading.Thread):
 
     def _send(self) -> None:
         while True:
-            request_id, answer = self.outbox.get()
+            answers = [self.outbox.get()]
+            while len(answers) < ANSWERS_PER_SEND:  # what queued meanwhile goes along
+                try:
+                    answers.append(self.outbox.get_nowait())
+                except queue.Empty:
+                    break
             try:
-                self.bus.answer(request_id, answer)
+                self.bus.answer(answers)
             except Exception:
-                log.warning("could not answer online request %s", request_id, exc_info=True)
+                ids = sorted({request_id for request_id, _ in answers})
+                log.warning("could not answer online requests %s", ids, exc_info=True)
 
 
 def error_answer(

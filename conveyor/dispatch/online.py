@@ -76,7 +76,7 @@ class OnlineBus(Protocol):
 
     def take(self, queue_names: list[str], timeout: float) -> OnlineMessage | None: ...
 
-    def answer(self, request_id: str, answer: dict[str, Any]) -> None: ...
+    def answer(self, answers: list[tuple[str, dict[str, Any]]]) -> None: ...
 
     def has_consumer(self, queue_name: str) -> bool | None: ...
 
@@ -146,11 +146,14 @@ class RedisBus:
         got = self.client.brpop(queue_names, timeout=max(1, int(timeout)))
         return None if got is None else OnlineMessage.loads(got[1])
 
-    def answer(self, request_id: str, answer: dict[str, Any]) -> None:
-        key = REPLY_PREFIX + request_id
-        with self.client.pipeline() as pipe:
-            pipe.rpush(key, json.dumps(answer))
-            pipe.expire(key, REPLY_TTL)
+    def answer(self, answers: list[tuple[str, dict[str, Any]]]) -> None:
+        """Push (request id, answer) pairs, in order, in one round trip: a step's answers to
+        every stream it advanced go together."""
+        with self.client.pipeline(transaction=False) as pipe:
+            for request_id, answer in answers:
+                key = REPLY_PREFIX + request_id
+                pipe.rpush(key, json.dumps(answer))
+                pipe.expire(key, REPLY_TTL)
             pipe.execute()
 
     def has_consumer(self, queue_name: str) -> bool | None:
@@ -281,11 +284,12 @@ class LocalBus:
                 return None
             time.sleep(0.01)
 
-    def answer(self, request_id: str, answer: dict[str, Any]) -> None:
-        with self.lock:
-            replies = self.replies.get(request_id)
-        if replies is not None:  # else nobody waits for it any more
-            replies.put(answer)
+    def answer(self, answers: list[tuple[str, dict[str, Any]]]) -> None:
+        for request_id, answer in answers:
+            with self.lock:
+                replies = self.replies.get(request_id)
+            if replies is not None:  # else nobody waits for it any more
+                replies.put(answer)
 
     def has_consumer(self, queue_name: str) -> bool | None:
         with self.lock:
