@@ -377,8 +377,9 @@ class LLMEngine:
         err: Exception,
     ) -> list[RequestOutput]:
         """Sampling the batch raised: sample each request's rows alone, so that the error
-        fails the requests it comes from and no other. An error that no request raises alone
-        is the engine's, and is raised."""
+        fails the requests it comes from and no other. An error that no request raises alone,
+        or that every request raises (a plain row sampled in their stead raising too, when
+        there is one), is the engine's, and is raised."""
         rows_of: dict[str, list[int]] = {}
         for i, seq in enumerate(seqs):
             rows_of.setdefault(seq.request.request_id, []).append(i)
@@ -397,9 +398,21 @@ class LLMEngine:
             kept += part
             tokens += own.token_ids
             logprobs += own.logprobs
-        if not failed:
+        if not failed or (not kept and not self._samples_a_plain_row(logits, len(failed))):
             raise err
         return failed + self._advance(kept, tokens, logprobs)
+
+    def _samples_a_plain_row(self, logits: torch.Tensor, num_requests: int) -> bool:
+        """Whether sampling works for a request with the default settings: the control when
+        every request of a step failed to sample (one request may be at fault; several cannot
+        all be)."""
+        if num_requests > 1:
+            return False
+        try:
+            self.sampler(logits[:1], [SampleRequest(SamplingParams(), None, [])])
+        except Exception:
+            return False
+        return True
 
     def _token_masks(
         self, completing: list[Sequence], masks: Future[torch.Tensor]

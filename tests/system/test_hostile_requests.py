@@ -174,3 +174,24 @@ def test_online_requests_in_a_failed_engine_are_answered_at_once(tmp_path: Path)
                 break
             time.sleep(0.5)
         assert ok.status_code == 200, ok.text
+
+
+def test_a_grammar_past_its_time_limit_is_a_400_and_stalls_no_one(
+    chat_model: Path, tmp_path: Path
+) -> None:
+    """Grammars compile off the engine's thread: one that takes longer than --grammar-timeout
+    is its request's 400, and a request beside it is answered meanwhile."""
+    properties = {f"field_{i}": {"type": "string", "pattern": f"^a{i}[b-z]+$"} for i in range(400)}
+    schema = {"type": "object", "properties": properties, "required": list(properties)}
+    body = completion("schema")["body"] | {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}
+    }
+    with embedded_serve(tmp_path, chat_model, MODEL, "--grammar-timeout", "0.001") as api:
+        answer = httpx.post(f"{api}/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["code"] == "invalid_response_format", error
+        assert error["param"] == "response_format", error
+        assert "grammar_timeout" in error["message"], error
+        ok = httpx.post(f"{api}/v1/completions", json=completion("plain")["body"], timeout=60)
+        assert ok.status_code == 200, ok.text

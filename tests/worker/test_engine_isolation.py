@@ -45,6 +45,15 @@ def break_request(llm: LLM, monkeypatch: pytest.MonkeyPatch, where: str, victim:
             return real_decode(seq)
 
         monkeypatch.setattr(llm, "_decode", decode)
+    elif where == "sampling":  # building its row of the batch's sampling, on its third token
+        real_sample_request = llm._sample_request
+
+        def sample_request(seq):
+            if bad(seq.request.request_id) and seq.num_output_tokens == 2:
+                raise OverflowError("Overflow when unpacking long long")
+            return real_sample_request(seq)
+
+        monkeypatch.setattr(llm, "_sample_request", sample_request)
     else:  # building its RequestOutput
         real_output = llm._request_output
 
@@ -67,7 +76,7 @@ def run(llm: LLM, prompts: list[list[int]]) -> dict[str, Any]:
     return outputs
 
 
-@pytest.mark.parametrize("where", ["append_token", "stop_string", "request_output"])
+@pytest.mark.parametrize("where", ["append_token", "stop_string", "request_output", "sampling"])
 def test_a_request_whose_post_processing_raises_fails_alone(
     checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
@@ -89,7 +98,12 @@ def test_a_request_whose_post_processing_raises_fails_alone(
     failed = outputs[BAD]
     assert failed.finished and failed.error is not None
     assert failed.error.internal  # the engine's fault with this request, not the request's
-    assert failed.error.message.split(":")[0] in ("IndexError", "TypeError", "UnicodeDecodeError")
+    assert failed.error.message.split(":")[0] in (
+        "IndexError",
+        "TypeError",
+        "UnicodeDecodeError",
+        "OverflowError",
+    )
     assert [c.finish_reason for c in failed.outputs] == ["error"]
     # nothing of it is left behind, and the engine runs on as before
     assert not llm.has_unfinished() and not llm.scheduler.running and not llm.scheduler.waiting
@@ -99,6 +113,36 @@ def test_a_request_whose_post_processing_raises_fails_alone(
     assert {k: v.outputs[0].token_ids for k, v in again.items()} == {
         k: v.outputs[0].token_ids for k, v in clean.items()
     }
+
+
+@pytest.mark.parametrize("requests", [1, 3])
+def test_an_error_no_request_raises_alone_is_the_engines(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, requests: int
+) -> None:
+    """Sampling that fails whatever rows it is given cannot be pinned on a request (for a
+    request alone in its step: a plain row fails too): the step raises, and the worker then
+    rebuilds the engine or exits, instead of failing every request."""
+    llm = LLM(str(checkpoints["llama"]), **ENGINE_KWARGS)
+    for i, prompt in enumerate(random_prompts(3, 3, 20, seed=2)[:requests]):
+        llm.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=4))
+
+    def broken(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(llm, "sampler", broken)
+    with pytest.raises(RuntimeError, match="allocate"):
+        llm.step()
+
+
+def test_a_request_alone_in_its_step_fails_alone(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = LLM(str(checkpoints["llama"]), **ENGINE_KWARGS)
+    break_request(llm, monkeypatch, "sampling", victim="r0")
+    output = run(llm, random_prompts(2, 3, 20, seed=3)[:1])["r0"]
+    assert output.error is not None and output.error.internal
+    assert output.error.message.startswith("OverflowError")
+    assert not llm.has_unfinished() and llm.stats().kv_blocks_used == 0
 
 
 def test_the_offline_runner_writes_an_error_line_for_it(
