@@ -10,11 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 from api.errors import APIError
-from conveyor.batch_format.errors import INVALID_REQUEST
+from conveyor.batch_format.errors import INVALID_REQUEST, RATE_LIMIT_EXCEEDED
 from conveyor.batch_format.request_line import OnlineRequest
 from conveyor.settings import Settings
 
-RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"  # OpenAI's code for a 429
 RETRY_AFTER_SECONDS = 2
 
 

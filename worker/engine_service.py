@@ -93,8 +93,8 @@ class EngineService(threading.Thread):
     def run(self) -> None:
         try:
             while not self.stopped.is_set():
-                self._take_aborts()
                 self._take_jobs()
+                self._take_aborts()  # after: an abort that came with its job finds it
                 if not self.engine.has_unfinished():
                     self.wakeup.wait(0.5)
                     self.wakeup.clear()

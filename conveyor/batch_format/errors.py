@@ -46,6 +46,7 @@ BATCH_NOT_CANCELLABLE = "batch_not_cancellable"
 DATABASE_UNAVAILABLE = "database_unavailable"
 MODEL_UNAVAILABLE = "model_unavailable"  # known, but no live worker serves it
 TIMEOUT = "timeout"  # an online request not answered in time
+RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"  # a project over its online sequences (429)
 
 
 class BatchRequestError(Exception):
