@@ -16,23 +16,16 @@ server) and a throwaway redis-server. The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict
-from pathlib import Path
 
 import httpx
 from machine import process_cpu_seconds
 from report import print_result
 
 from conveyor.demo_model import write_tiny_model
-from conveyor.settings import normalize_database_url
-from conveyor.testing import LocalRedis, Stack, batch_lines, service_env, submit_batch, write_jsonl
-from conveyor.testing.databases import migrate, scratch_database
+from conveyor.testing import Stack, batch_lines, service_deployment, submit_batch, write_jsonl
 from conveyor.testing.load import LoadResult, run_load
-from conveyor.testing.servers import postgres_server, throwaway
 
 GOAL_P99_MS = 50.0
 
@@ -60,32 +53,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-@contextmanager
-def deployment(echo_step_seconds: float) -> Iterator[Stack]:
-    """A fresh database on the PostgreSQL server, a throwaway redis-server, and a stack on
-    them with a deployment's heartbeat and reconciler timing, not the tests' quick one (a
-    reconciler round every second would load the API far more than a deployment's does)."""
-    with (
-        tempfile.TemporaryDirectory(prefix="conveyor-load-") as tmp,
-        postgres_server() as server,
-        scratch_database(server, "conveyor_load_") as db_url,
-        throwaway(LocalRedis, "conveyor-redis-") as redis_server,
-    ):
-        migrate(db_url)
-        root = Path(tmp)
-        env = service_env(normalize_database_url(db_url), redis_server.url, root)
-        env.update(
-            CONVEYOR_SHARD_SIZE="64",
-            CONVEYOR_VISIBILITY_TIMEOUT="600",
-            CONVEYOR_ECHO_STEP_SECONDS=str(echo_step_seconds),
-        )
-        stack = Stack(env=env, root=root)
-        try:
-            yield stack
-        finally:
-            stack.stop()
-
-
 def measure(stack: Stack, args: argparse.Namespace) -> tuple[LoadResult, float, dict]:
     """Start the API and a worker, submit the batch, run the clients until it is done: their
     result, the API's CPU cores while they ran, and the batch object at the end."""
@@ -107,7 +74,11 @@ def measure(stack: Stack, args: argparse.Namespace) -> tuple[LoadResult, float, 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    with deployment(args.echo_step_seconds) as stack:
+    # a deployment's heartbeat and reconciler timing, not the tests' quick one: a reconciler
+    # round every second would load the API far more than a deployment's does
+    shards = {"CONVEYOR_SHARD_SIZE": "64", "CONVEYOR_VISIBILITY_TIMEOUT": "600"}
+    echo = {"CONVEYOR_ECHO_STEP_SECONDS": str(args.echo_step_seconds)}
+    with service_deployment("load", **shards, **echo) as stack:
         result, api_cores, batch = measure(stack, args)
     report = asdict(result) | {
         "batch_status": batch["status"],

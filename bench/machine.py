@@ -122,3 +122,17 @@ def git_state() -> str | None:
 
 def rate(n: float, seconds: float) -> float:
     return n / seconds if seconds > 0 else float("inf")
+
+
+NOTABLE_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_isa() -> str:
+    """The CPU's notable vector extensions (lscpu's flags), e.g. `avx2 avx512f avx512_bf16`."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                  if line.startswith("flags")), [])  # fmt: skip
+    return " ".join(f for f in NOTABLE_FLAGS if f in flags) or "none of " + ",".join(NOTABLE_FLAGS)

@@ -22,36 +22,27 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import date
-from pathlib import Path
 
 import httpx
-from machine import git_state, loadavg, process_cpu_seconds
+from machine import cpu_isa, git_state, loadavg, process_cpu_seconds
 from prometheus_client.parser import text_string_to_metric_families
 from report import print_result
 
 from conveyor.demo_model import write_tiny_model
-from conveyor.settings import normalize_database_url
 from conveyor.testing import (
-    LocalRedis,
     Stack,
     batch_lines,
     free_port,
-    service_env,
+    service_deployment,
     submit_batch,
     wait_for,
     write_jsonl,
 )
-from conveyor.testing.databases import migrate, scratch_database
-from conveyor.testing.servers import postgres_server, throwaway
 
 GOAL_RATIO = 0.9
-NOTABLE_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 RUNNING = "conveyor:num_requests_running"
 ABORTS = "conveyor:online_aborts_total"
 PREEMPTIONS = "conveyor:num_preemptions_total"
@@ -88,36 +79,6 @@ def split_cpus(spec: str | None) -> tuple[set[int], set[int]]:
             low, _, high = part.partition("-")
             worker.update(range(int(low), int(high or low) + 1))
     return worker, set(mine) - worker or worker
-
-
-def cpu_isa() -> str:
-    """The CPU's notable vector extensions (lscpu's flags), e.g. `avx2 avx512f avx512_bf16`."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])  # fmt: skip
-    return " ".join(f for f in NOTABLE_FLAGS if f in flags) or "none of " + ",".join(NOTABLE_FLAGS)
-
-
-@contextmanager
-def deployment() -> Iterator[Stack]:
-    with (
-        tempfile.TemporaryDirectory(prefix="conveyor-churn-") as tmp,
-        postgres_server() as server,
-        scratch_database(server, "conveyor_churn_") as db_url,
-        throwaway(LocalRedis, "conveyor-redis-") as redis_server,
-    ):
-        migrate(db_url)
-        root = Path(tmp)
-        env = service_env(normalize_database_url(db_url), redis_server.url, root)
-        env.update(CONVEYOR_SHARD_SIZE="32", CONVEYOR_VISIBILITY_TIMEOUT="600")
-        stack = Stack(env=env, root=root)
-        try:
-            yield stack
-        finally:
-            stack.stop()
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -258,7 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     worker_cpus, other_cpus = split_cpus(args.worker_cpus)
     os.sched_setaffinity(0, other_cpus)  # what this process starts runs there too
-    with deployment() as stack:
+    shards = {"CONVEYOR_SHARD_SIZE": "32", "CONVEYOR_VISIBILITY_TIMEOUT": "600"}
+    with service_deployment("churn", **shards) as stack:
         seen = measure(stack, args, worker_cpus)
     ratio = seen["churn"]["tok_s"] / seen["quiet"]["tok_s"]
     lat_ms = sorted(x * 1000 for x in seen.pop("latencies"))

@@ -24,7 +24,14 @@ from conveyor.testing.batches import (
     write_jsonl,
 )
 from conveyor.testing.servers import LocalPostgres, LocalRedis, ServerMissing, free_port
-from conveyor.testing.stack import Stack, embedded_serve, service_env, stack_env, stop_group
+from conveyor.testing.stack import (
+    Stack,
+    embedded_serve,
+    service_deployment,
+    service_env,
+    stack_env,
+    stop_group,
+)
 
 __all__ = [
     "ApiKey",
@@ -38,6 +45,7 @@ __all__ = [
     "embedded_serve",
     "free_port",
     "run_keys",
+    "service_deployment",
     "service_env",
     "stack_env",
     "stop_group",

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -15,7 +16,9 @@ from pathlib import Path
 
 import httpx
 
-from conveyor.testing.servers import free_port
+from conveyor.settings import normalize_database_url
+from conveyor.testing.databases import migrate, scratch_database
+from conveyor.testing.servers import LocalRedis, free_port, postgres_server, throwaway
 
 
 def service_env(database_url: str, redis_url: str, root: Path) -> dict[str, str]:
@@ -204,3 +207,24 @@ def stop_group(proc: subprocess.Popen, grace: float = 30) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+
+
+@contextlib.contextmanager
+def service_deployment(name: str, **env: str) -> Iterator[Stack]:
+    """A bench run's deployment: a fresh database on the PostgreSQL server, a throwaway
+    redis-server, and a stack on them with a deployment's heartbeat and reconciler timing (not
+    the tests' quick one), `env` added; its processes are stopped at the end."""
+    with (
+        tempfile.TemporaryDirectory(prefix=f"conveyor-{name}-") as tmp,
+        postgres_server() as server,
+        scratch_database(server, f"conveyor_{name}_") as db_url,
+        throwaway(LocalRedis, "conveyor-redis-") as redis_server,
+    ):
+        migrate(db_url)
+        root = Path(tmp)
+        stack_env = service_env(normalize_database_url(db_url), redis_server.url, root)
+        stack = Stack(env=stack_env | env, root=root)
+        try:
+            yield stack
+        finally:
+            stack.stop()
