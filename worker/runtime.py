@@ -398,8 +398,8 @@ class WorkerRuntime:
         failures = self.settings.max_request_failures
         message = (
             f"this request was not run again: the engine failed {failures} times while it "
-            f"ran, the last time with no other request beside it "
-            f"(CONVEYOR_MAX_REQUEST_FAILURES={failures})"
+            "ran (after the first time, it ran with no other request beside it; "
+            f"CONVEYOR_MAX_REQUEST_FAILURES={failures})"
         )
         log.warning("line %d quarantined: %s", line, message)
         return build_error_line(
