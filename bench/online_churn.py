@@ -53,6 +53,9 @@ STREAM_MAX_TOKENS = 500  # what a dropped stream asks for: what it would cost if
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", type=int, default=50)
+    ap.add_argument(
+        "--chunks", type=int, default=2, help="chunks a client reads before it hangs up"
+    )
     ap.add_argument("--requests", type=int, default=2048, help="requests in the batch")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per batch request")
     ap.add_argument("--max-drops", type=int, default=5000, help="hang-ups at most, all clients")
@@ -96,13 +99,15 @@ def stream_body(tag: str) -> dict:
             "ignore_eos": True, "stream": True}  # fmt: skip
 
 
-def drop_stream(client: httpx.Client, tag: str) -> float:
-    """Opens a streamed completion, reads two chunks, hangs up (closing a response before its
-    end closes its connection); the time of the hang-up."""
+def drop_stream(client: httpx.Client, tag: str, chunks: int = 2) -> float:
+    """Opens a streamed completion, reads `chunks` chunks (0: only the response's start),
+    hangs up (closing a response before its end closes its connection); the time of the
+    hang-up."""
     with client.stream("POST", "/v1/completions", json=stream_body(tag)) as r:
         r.raise_for_status()
         events = (line for line in r.iter_lines() if line.startswith("data: "))
-        next(events), next(events)
+        for _ in range(chunks):
+            next(events)
         hung_up = time.perf_counter()
     return hung_up
 
@@ -110,8 +115,8 @@ def drop_stream(client: httpx.Client, tag: str) -> float:
 class Churn:
     """`clients` threads that drop streams in a loop until stopped or `max_drops` in all."""
 
-    def __init__(self, api: str, clients: int, max_drops: int) -> None:
-        self.api, self.max_drops = api, max_drops
+    def __init__(self, api: str, clients: int, max_drops: int, chunks: int) -> None:
+        self.api, self.max_drops, self.chunks = api, max_drops, chunks
         self.stopped = threading.Event()
         self.lock = threading.Lock()
         self.drops = self.errors = 0
@@ -128,7 +133,7 @@ class Churn:
                 if self.drops + self.errors >= self.max_drops:
                     return
             try:
-                drop_stream(client, f"{i}-{k}")
+                drop_stream(client, f"{i}-{k}", self.chunks)
                 with self.lock:
                     self.drops += 1
             except (httpx.HTTPError, StopIteration):
@@ -198,7 +203,7 @@ def measure(stack: Stack, args: argparse.Namespace, worker_cpus: set[int]) -> di
     before = scrape(metrics)
     quiet = run_batch(stack, "quiet", args)
     between = scrape(metrics)
-    with Churn(stack.api_url, args.clients, args.max_drops) as churn:
+    with Churn(stack.api_url, args.clients, args.max_drops, args.chunks) as churn:
         busy = run_batch(stack, "churn", args)
     time.sleep(1)  # the last hang-ups reach the worker
     after = scrape(metrics)
@@ -227,6 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "bench": "online_churn",
         "clients": args.clients,
+        "chunks_read": args.chunks,
         "worker_cpus": sorted(worker_cpus),
         "other_cpus": sorted(other_cpus),
         "batch_requests": args.requests,
