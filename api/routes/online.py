@@ -229,9 +229,9 @@ def _checked(model_cls: type[TokenizeBody] | type[DetokenizeBody], body: dict[st
         if first.get("type") == "extra_forbidden":
             message = f'Unrecognized request argument supplied: "{param}"'
             raise APIError(400, message, code=UNKNOWN_PARAMETER, param=param) from None
-        raise APIError(
-            400, first.get("msg", "invalid body"), code=INVALID_REQUEST, param=param
-        ) from None
+        reason = str(first.get("msg", "is invalid")).removeprefix("Value error, ")
+        message = f"{param or 'the body'}: {reason}"
+        raise APIError(400, message, code=INVALID_REQUEST, param=param) from None
 
 
 def _online_error(err: BatchRequestError) -> APIError:
