@@ -94,8 +94,7 @@ class Settings:
             )
         if self.max_request_failures < 1:
             raise ValueError(
-                "CONVEYOR_MAX_REQUEST_FAILURES must be at least 1, "
-                f"got {self.max_request_failures}"
+                f"CONVEYOR_MAX_REQUEST_FAILURES must be at least 1, got {self.max_request_failures}"
             )
         if self.max_shard_attempts < 1:
             raise ValueError(

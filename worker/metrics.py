@@ -104,10 +104,10 @@ class WorkerMetrics:
             registry=self.registry,
         )
 
-
     def use_engine(self, engine: Any) -> None:
         """Read the engine's stats from `engine` from now on (a new one after a failure)."""
         self.engine_collector.engine = engine
+
     def observe_request(self, output: Any) -> None:
         metrics = getattr(output, "metrics", None)
         if metrics is None:

@@ -23,14 +23,24 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from conveyor.batch_format.bodies import CHAT_URL, COMPLETIONS_URL, DetokenizeBody, TokenizeBody
+from conveyor.batch_format.bodies import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    MAX_INT,
+    DetokenizeBody,
+    TokenizeBody,
+)
 from conveyor.batch_format.errors import (
     INTERNAL_ERROR,
     INVALID_REQUEST,
     MODEL_UNAVAILABLE,
     BatchRequestError,
 )
-from conveyor.batch_format.request_line import OnlineRequest, parse_online_body
+from conveyor.batch_format.request_line import (
+    OnlineRequest,
+    parse_online_body,
+    validation_message,
+)
 from conveyor.batch_format.responses import (
     chat_completion_body,
     merged_body,
@@ -333,10 +343,8 @@ def internal_error_answer(request_id: str) -> dict[str, Any]:
 
 
 def invalid_body_answer(err: ValidationError) -> dict[str, Any]:
-    first = err.errors(include_url=False)[0]
-    param = ".".join(str(p) for p in first.get("loc", ())) or None
-    reason = str(first.get("msg", "is invalid")).removeprefix("Value error, ")
-    return error_answer(400, f"{param or 'the body'}: {reason}", INVALID_REQUEST, param)
+    message, param, code = validation_message(err, prefix="")
+    return error_answer(400, message, code, param or None)
 
 
 def vocabulary_size(engine: Any, tokenizer: Any) -> int | None:
@@ -353,7 +361,7 @@ def vocabulary_size(engine: Any, tokenizer: Any) -> int | None:
 
 def check_token_ids(tokens: list[int], vocab_size: int | None) -> None:
     """400 naming `tokens` for an id outside the vocabulary (or past any tokenizer's ids)."""
-    limit = vocab_size if vocab_size is not None else 2**31
+    limit = vocab_size if vocab_size is not None else MAX_INT + 1
     for token in tokens:
         if not 0 <= token < limit:
             where = f"[0, {vocab_size})" if vocab_size is not None else "the vocabulary"

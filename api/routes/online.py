@@ -35,10 +35,9 @@ from conveyor.batch_format.errors import (
     MODEL_NOT_FOUND,
     MODEL_UNAVAILABLE,
     TIMEOUT,
-    UNKNOWN_PARAMETER,
     BatchRequestError,
 )
-from conveyor.batch_format.request_line import parse_online_body
+from conveyor.batch_format.request_line import parse_online_body, validation_message
 from conveyor.dispatch.online import AnswerTimeout, OnlineMessage, online_queue
 from conveyor.dispatch.queues import queue_for
 from ledger.models import WorkerRow
@@ -224,14 +223,8 @@ def _checked(model_cls: type[TokenizeBody] | type[DetokenizeBody], body: dict[st
     try:
         return model_cls.model_validate(body)
     except ValidationError as err:
-        first = err.errors(include_url=False)[0]
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
-        if first.get("type") == "extra_forbidden":
-            message = f'Unrecognized request argument supplied: "{param}"'
-            raise APIError(400, message, code=UNKNOWN_PARAMETER, param=param) from None
-        reason = str(first.get("msg", "is invalid")).removeprefix("Value error, ")
-        message = f"{param or 'the body'}: {reason}"
-        raise APIError(400, message, code=INVALID_REQUEST, param=param) from None
+        message, param, code = validation_message(err, prefix="")
+        raise APIError(400, message, code=code, param=param or None) from None
 
 
 def _online_error(err: BatchRequestError) -> APIError:

@@ -63,7 +63,7 @@ def _loc_path(prefix: str, loc: Sequence[Any]) -> str:
     return path_text((prefix, *loc)) if prefix else path_text(tuple(loc))
 
 
-def _validation_message(err: ValidationError, prefix: str = "body") -> tuple[str, str, str]:
+def validation_message(err: ValidationError, prefix: str = "body") -> tuple[str, str, str]:
     """A one-line message for the first few problems of `err`, the first offending field and
     the error code (`unknown_parameter` when a field is not one of the endpoint's)."""
     errors = err.errors(include_url=False)
@@ -250,7 +250,7 @@ def _body(
     try:
         parsed = model_cls.model_validate(body)
     except ValidationError as err:
-        message, param, code = _validation_message(err)
+        message, param, code = validation_message(err)
         where.fail(message, code, param)
     if text.surrogate is not None:
         _fail_surrogate(text.surrogate, where)
