@@ -77,9 +77,16 @@ class EngineService(threading.Thread):
             self.aborts.put(request_id)
         self.wakeup.set()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 60.0) -> None:
+        """End the loop after its current step and wait for it: a process that exits while
+        this thread is inside a torch op aborts ("terminate called without an active
+        exception"), because the interpreter unwinds a daemon thread through C++ frames."""
         self.stopped.set()
         self.wakeup.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout)
+            if self.is_alive():
+                log.warning("the engine loop did not end its step within %.0f s", timeout)
 
     def snapshot(self) -> dict[str, Any]:
         stats = self.engine.stats()

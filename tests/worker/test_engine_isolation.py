@@ -236,3 +236,25 @@ def test_the_engine_loop_survives_a_request_it_cannot_take() -> None:
     assert done["a"] == "hello" and done["b"] == "again"
     assert isinstance(done["p"], TypeError) and isinstance(done["l"], ValueError)
     assert isinstance(done["d"], RuntimeError)
+
+
+def test_stopping_the_engine_loop_waits_for_its_step_to_end() -> None:
+    """A worker that exits while its engine thread is inside a step aborts the process (C++
+    frames unwound at interpreter exit): stop() returns only once the loop has ended."""
+    in_step, release = threading.Event(), threading.Event()
+
+    class SlowEngine(EchoEngine):
+        def step(self):
+            in_step.set()
+            release.wait(10)
+            return super().step()
+
+    service = EngineService(SlowEngine())
+    service.start()
+    service.submit([EngineJob("b:1", "hello", None, lambda _: None, lambda _: None)])
+    assert in_step.wait(10)
+    threading.Timer(0.3, release.set).start()
+    service.stop()
+    assert release.is_set()  # it waited for the step
+    assert not service.is_alive()
+    assert service.failure is None
