@@ -1,5 +1,6 @@
 """The limits on online work, checked in the API before a request reaches a worker: prompts in
-one request, sequences (prompts × n) in one request, and one project's sequences in flight.
+one request, sequences (prompts × n) in one request, one project's sequences in flight, and how
+fast one project starts requests.
 
 An online request goes ahead of every batch in the engine, so without them one request, or one
 project's many, could keep every batch waiting.
@@ -7,11 +8,13 @@ project's many, could keep every batch waiting.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from api.errors import APIError
 from conveyor.batch_format.errors import INVALID_REQUEST, RATE_LIMIT_EXCEEDED
 from conveyor.batch_format.request_line import OnlineRequest
+from conveyor.dispatch.online import OnlineBus
 from conveyor.settings import Settings
 
 RETRY_AFTER_SECONDS = 2
@@ -68,3 +71,22 @@ def too_many_in_flight(limit: int) -> APIError:
         type="requests",
         headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
     )
+
+
+async def check_rate(bus: OnlineBus, settings: Settings, project: str) -> None:
+    """429 with the seconds to wait when `project` starts online requests faster than
+    CONVEYOR_ONLINE_RATE_LIMIT a second (over its burst)."""
+    rate = settings.online_rate_limit
+    if not rate:
+        return
+    wait = await bus.rate.take(project, rate, settings.online_rate_burst)
+    if wait > 0:
+        raise APIError(
+            429,
+            f"this project starts online requests faster than the {rate:g} a second allowed "
+            f"(CONVEYOR_ONLINE_RATE_LIMIT, bursts of {settings.online_rate_burst}); retry in "
+            f"{wait:.2f} s, or send the work as a batch",
+            code=RATE_LIMIT_EXCEEDED,
+            type="requests",
+            headers={"Retry-After": str(max(1, math.ceil(wait)))},
+        )

@@ -7,6 +7,7 @@ default that needs no servers.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -84,6 +85,10 @@ class Settings:
     max_online_prompts: int = 2048
     max_online_request_sequences: int = 4096
     max_online_sequences: int = 8192
+    # online requests a project may start per second, and at once over that (nginx's
+    # limit_req rate and burst; a burst of 0 is the rate rounded up). 0: no limit
+    online_rate_limit: float = 0.0
+    online_burst: int = 0
 
     def __post_init__(self) -> None:
         if self.auth not in AUTH_MODES:
@@ -112,6 +117,10 @@ class Settings:
         for name in ("max_online_prompts", "max_online_request_sequences", "max_online_sequences"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CONVEYOR_{name.upper()} must be 0 (no limit) or more")
+        if not self.online_rate_limit >= 0 or self.online_rate_limit == float("inf"):
+            raise ValueError("CONVEYOR_ONLINE_RATE_LIMIT must be 0 (no limit) or a rate per second")
+        if self.online_burst < 0:
+            raise ValueError("CONVEYOR_ONLINE_BURST must be 0 (the rate, rounded up) or more")
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -144,7 +153,13 @@ class Settings:
             max_online_prompts=_env_int("CONVEYOR_MAX_ONLINE_PROMPTS", 2048),
             max_online_request_sequences=_env_int("CONVEYOR_MAX_ONLINE_REQUEST_SEQUENCES", 4096),
             max_online_sequences=_env_int("CONVEYOR_MAX_ONLINE_SEQUENCES", 8192),
+            online_rate_limit=_env_float("CONVEYOR_ONLINE_RATE_LIMIT", 0.0),
+            online_burst=_env_int("CONVEYOR_ONLINE_BURST", 0),
         )
+
+    @property
+    def online_rate_burst(self) -> int:
+        return self.online_burst or max(1, math.ceil(self.online_rate_limit))
 
     @property
     def embedded(self) -> bool:

@@ -6,7 +6,8 @@ Bodies are checked as batch lines' bodies are (`conveyor.batch_format`), and ans
 same response objects. An unknown model is a 404 `model_not_found` at once, a model no live
 worker serves a 503, and an answer that does not come within `CONVEYOR_ONLINE_TIMEOUT` a 504.
 Completions are held to the limits of `api.online_limits` (400, or 429 for a project with too
-many sequences in flight), and a client that goes away cancels its work in the worker.
+many sequences in flight or that starts requests too fast), and a client that goes away
+cancels its work in the worker.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from api.deps import AppState, ProjectDep, StateDep
 from api.errors import APIError
 from api.guard import KeyedRoute
 from api.online_lease import LeasedStream, OnlineLease, unless_gone
-from api.online_limits import check_prompt_count, check_sequences, sequences_of
+from api.online_limits import check_prompt_count, check_rate, check_sequences, sequences_of
 from conveyor.batch_format.bodies import CHAT_URL, COMPLETIONS_URL, DetokenizeBody, TokenizeBody
 from conveyor.batch_format.errors import (
     INVALID_REQUEST,
@@ -108,6 +109,7 @@ async def _complete(
         raise _online_error(err) from None
     check_sequences(online, settings)
     queue = await _queue_of(state, online.model)
+    await check_rate(state.online, settings, project)
     lease = await OnlineLease.take(state.online, settings, project, sequences_of(online))
     try:
         message = _send(state, queue, kind, body, project)

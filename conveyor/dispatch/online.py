@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import redis
 import redis.asyncio
 
+from conveyor.dispatch.online_rate import LocalRate, OnlineRate, RedisRate
 from conveyor.dispatch.online_slots import LocalSlots, OnlineSlots, RedisSlots
 from conveyor.dispatch.queues import is_redis_url
 
@@ -65,6 +66,7 @@ class OnlineMessage:
 
 class OnlineBus(Protocol):
     slots: OnlineSlots  # each project's online sequences in flight
+    rate: OnlineRate  # how fast each project starts online requests
 
     def send(self, queue_name: str, message: OnlineMessage) -> None: ...
 
@@ -95,6 +97,7 @@ class RedisBus:
         self.client = redis.Redis.from_url(url)
         self._async: redis.asyncio.Redis | None = None
         self.slots = RedisSlots(url)
+        self.rate = RedisRate(url)
 
     def _redis(self) -> redis.asyncio.Redis:
         if self._async is None:  # made on the event loop that uses it
@@ -207,6 +210,7 @@ class LocalBus:
         self.consumers: dict[str, int] = {}
         self.cancel_feeds: list[queue.SimpleQueue[str]] = []
         self.slots = LocalSlots()
+        self.rate = LocalRate()
 
     def _queue(self, name: str) -> queue.Queue[OnlineMessage]:
         with self.lock:

@@ -244,9 +244,7 @@ def test_what_the_engine_cannot_take_or_the_ledger_cannot_store_fails_alone(
     engine_id = f"{a_id}:"
     assert f"internal error (request {engine_id}" in refused["error"]["message"]
     assert "TypeError" not in refused["error"]["message"]
-    assert any(
-        engine_id in line and "TypeError" in line for line in stack.log("w1").splitlines()
-    )
+    assert any(engine_id in line and "TypeError" in line for line in stack.log("w1").splitlines())
     assert got["a-4"]["response"]["body"]["choices"][0]["text"] == "ODD text \udc80"
     assert got["a-5"]["response"]["body"]["choices"][0]["text"] == "a NUL \x00 is text"
     assert deployment.wait(b_id, b, timeout=30)["status"] == "completed"
