@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Protocol
 
-import redis.asyncio
+from conveyor.dispatch.async_redis import LazyAsyncRedis
 
 RATE_PREFIX = "conveyor.online.rate."
 
@@ -62,17 +62,8 @@ class LocalRate:
             return (1 - tokens) / rate
 
 
-class RedisRate:
+class RedisRate(LazyAsyncRedis):
     """The buckets shared by every API process, one Redis hash per project."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self._client: redis.asyncio.Redis | None = None
-
-    def _redis(self) -> redis.asyncio.Redis:
-        if self._client is None:  # made on the event loop that uses it
-            self._client = redis.asyncio.Redis.from_url(self.url)
-        return self._client
 
     async def take(self, project: str, rate: float, burst: int) -> float:
         wait = await self._redis().eval(_TAKE, 1, RATE_PREFIX + project, repr(rate), burst)

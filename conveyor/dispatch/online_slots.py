@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
-import redis.asyncio
+from conveyor.dispatch.async_redis import LazyAsyncRedis
 
 SLOTS_PREFIX = "conveyor.online.slots."
 
@@ -60,17 +60,8 @@ class LocalSlots:
                 self.held.pop(project, None)
 
 
-class RedisSlots:
+class RedisSlots(LazyAsyncRedis):
     """The count shared by every API process, in one Redis key per project."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self._client: redis.asyncio.Redis | None = None
-
-    def _redis(self) -> redis.asyncio.Redis:
-        if self._client is None:  # made on the event loop that uses it
-            self._client = redis.asyncio.Redis.from_url(self.url)
-        return self._client
 
     async def take(self, project: str, count: int, limit: int, ttl: int) -> bool:
         keys = [SLOTS_PREFIX + project]
