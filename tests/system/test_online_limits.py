@@ -98,18 +98,27 @@ def test_a_project_over_its_sequences_gets_a_429_and_waiting_costs_no_thread(ser
     assert again.status_code == 200, again.text
 
 
-def test_a_project_that_starts_requests_too_fast_gets_a_429(tmp_path, monkeypatch):
-    monkeypatch.setenv("CONVEYOR_ONLINE_RATE_LIMIT", "0.5")  # one every 2 s
-    monkeypatch.setenv("CONVEYOR_ONLINE_BURST", "2")
-    with embedded_serve(tmp_path, "echo", "echo") as url, httpx.Client(base_url=url) as client:
-        answers = [client.post("/v1/completions", json=body(f"go {i}")) for i in range(3)]
-        assert [r.status_code for r in answers[:2]] == [200, 200]
-        over = answers[2]
-        assert over.status_code == 429 and over.headers["Retry-After"] in ("1", "2")
+def test_a_project_that_starts_requests_too_fast_gets_a_429(tmp_path):
+    env = {
+        "CONVEYOR_ONLINE_RATE_LIMIT": "0.5",  # one every 2 s
+        "CONVEYOR_ONLINE_BURST": "2",
+        "CONVEYOR_ECHO_STEP_SECONDS": "0",
+    }
+
+    async def at_once(url: str, n: int) -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            posts = [client.post("/v1/completions", json=body(f"go {i}")) for i in range(n)]
+            return await asyncio.gather(*posts)
+
+    with embedded_serve(tmp_path, "echo", "echo", env=env) as url:
+        answers = asyncio.run(at_once(url, 3))
+        assert sorted(r.status_code for r in answers) == [200, 200, 429]
+        over = next(r for r in answers if r.status_code == 429)
+        assert over.headers["Retry-After"] in ("1", "2")
         error = over.json()["error"]
         assert error["code"] == "rate_limit_exceeded"
         assert "CONVEYOR_ONLINE_RATE_LIMIT" in error["message"]
-        streamed = client.post("/v1/completions", json=body(stream=True))
+        streamed = httpx.post(url + "/v1/completions", json=body(stream=True))
         assert streamed.status_code == 429  # streams count too
         time.sleep(float(streamed.headers["Retry-After"]) + 0.1)
-        assert client.post("/v1/completions", json=body("again")).status_code == 200
+        assert httpx.post(url + "/v1/completions", json=body("again")).status_code == 200
