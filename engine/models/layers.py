@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable
 
@@ -12,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import native_layers
+
+log = logging.getLogger(__name__)
 
 # How a module runs its elementwise steps (norms, rope, activation): torch's eager ops, fused
 # loops compiled by inductor, or `kernels.native_layers` (bfloat16, AVX512-BF16 CPUs).
@@ -155,6 +158,17 @@ CPU_PACKED_MAX_OUT = 2048
 ONEDNN_CACHE_CAPACITY = 8192
 
 
+@functools.cache
+def _onednn_bf16() -> bool:
+    """Whether this CPU runs oneDNN's bf16 products (its reorder refuses on AVX2 alone)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if check is not None and check():
+        return True
+    log.info("bf16 projections use the plain product: oneDNN's bf16 path needs avx512bw/vl/dq "
+             "or avx_ne_convert, which this CPU lacks")  # fmt: skip
+    return False
+
+
 class PrepackedLinear:
     """`x @ weight.T` through oneDNN with the weight reordered once into its blocked layout:
     for a wide output layer (the 32,000-way logits) and the few hundred rows of a decode
@@ -175,6 +189,8 @@ class PrepackedLinear:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         )
+        if usable and weight.dtype == torch.bfloat16 and not _onednn_bf16():
+            usable = False
         if not usable:
             return None
         # read by oneDNN when it makes its cache, at the first oneDNN op of the process
@@ -254,5 +270,6 @@ def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    # on the device the model is built on (the default one), where the positions are
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.get_default_device())
     return inv_freq.float(), float(scaling)

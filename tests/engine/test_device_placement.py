@@ -1,0 +1,91 @@
+"""The model and its step on a `cuda` device, with no GPU (tests.fake_cuda): a tensor made on
+the CPU and mixed with the model's fails here as it would on the first GPU run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+from engine.model_runner import ModelRunner
+from engine.models import MODEL_REGISTRY
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSeq
+from engine.sequence import Request, Sequence
+from kernels import torch_paged
+from tests.fake_cuda import fake_cuda
+
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+CONFIGS = {
+    "llama": LlamaConfig(**SMALL, architectures=["LlamaForCausalLM"]),
+    "llama-3.x rope": LlamaConfig(
+        **SMALL, rope_scaling=LLAMA3_ROPE, architectures=["LlamaForCausalLM"]
+    ),
+    "llama yarn rope": LlamaConfig(
+        **SMALL,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },  # fmt: skip
+        architectures=["LlamaForCausalLM"],
+    ),
+    "qwen2": Qwen2Config(**SMALL, architectures=["Qwen2ForCausalLM"]),
+    "qwen3": Qwen3Config(**SMALL, head_dim=32, architectures=["Qwen3ForCausalLM"]),
+}
+BLOCK = 8
+
+
+class ShapeOnlyAttention:
+    """Writes K/V as every backend does and answers with the attention's shape: a kernel reads
+    the lengths it works on, and fake tensors have no values (the kernels' own placement is
+    the kernels' tests')."""
+
+    name = "shape-only"
+
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale):
+        torch_paged.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        for t in (meta.decode_block_tables, meta.decode_context_lens, meta.prefill_block_tables,
+                  meta.prefill_query_start_tensor, meta.prefill_context_lens_tensor):  # fmt: skip
+            assert t is not None and t.device == query.device, t
+        return torch.zeros_like(query)
+
+
+def sequence(ids: list[int], computed: int, first_block: int) -> Sequence:
+    seq = Sequence(Request(f"r{first_block}", None, ids, SamplingParams()), 0, list(ids), len(ids))
+    seq.block_table = list(range(first_block, first_block + (len(ids) + BLOCK) // BLOCK + 1))
+    seq.num_computed_tokens = computed
+    return seq
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_step_runs_on_cuda_with_every_tensor_there(name: str):
+    config = CONFIGS[name]
+    with fake_cuda():
+        device = torch.device("cuda", 0)
+        model = MODEL_REGISTRY[config.architectures[0]](config, 256)
+        assert model.model.rotary.cos.device == device
+        runner = ModelRunner(model, ShapeOnlyAttention(), 32, BLOCK, device, torch.bfloat16)
+        decode = sequence([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 9, 0)
+        prefill = sequence(list(range(20, 40)), 0, 8)
+        chunk = sequence(list(range(50, 70)), 8, 16)  # a prompt's second chunk
+        scheduled = [ScheduledSeq(decode, 1), ScheduledSeq(prefill, 20), ScheduledSeq(chunk, 12)]
+        result = runner.run(scheduled, prompt_logprob_seqs={prefill.seq_id})
+        assert result.sample_logits.shape == (3, config.vocab_size)
+        assert result.sample_logits.device == device
+        first, logits = result.prompt_logits[prefill.seq_id]
+        assert first == 0 and logits.device == device
+
+
+def test_the_fake_device_refuses_a_cpu_tensor_mixed_with_a_cuda_one():
+    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+
+    with fake_cuda():
+        on_gpu = torch.ones(4, 4)  # the default device inside: cuda
+        assert on_gpu.device.type == "cuda"
+        assert on_gpu[1:, None, 2].shape == (3, 1)  # indexing works on fake CUDA tensors
+        with pytest.raises(FakeTensorDeviceMismatchError):
+            on_gpu + torch.ones(4, 4, device="cpu")
