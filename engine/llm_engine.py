@@ -324,6 +324,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; return the outputs of the requests that finished in it, and of the
         streamed requests that got a token in it (`finished=False`)."""
+        use_device(self.device)
         if failed := self._admit_compiled():  # reported at once, in a step of their own
             return failed
         scheduled = self.scheduler.schedule()
@@ -655,5 +656,16 @@ class LLMEngine:
 
 def _resolve_device(device: str) -> torch.device:
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def use_device(device: torch.device) -> None:
+    """Make `device` this thread's current CUDA device (each thread has its own, device 0 at
+    first): the engine is stepped from a worker's thread, and Triton launches on the current
+    device."""
+    if device.type == "cuda" and torch.cuda.current_device() != device.index:
+        torch.cuda.set_device(device)

@@ -22,6 +22,7 @@ Shapes that reach `tl.dot` are padded to at least 16 as the tensor cores want. W
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -87,13 +88,14 @@ def store_kv(
         return
     key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
     _check_cache(k_cache, v_cache)
-    _store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[2],
-        H_P2=_p2(kv_heads), D_P2=_p2(head_dim),
-    )  # fmt: skip
+    with on_device(key.device):
+        _store_kv_kernel[(num_tokens,)](
+            key, value, k_cache, v_cache, slot_mapping,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[2],
+            H_P2=_p2(kv_heads), D_P2=_p2(head_dim),
+        )  # fmt: skip
 
 
 @triton.jit
@@ -212,6 +214,15 @@ def _decode_merge_kernel(
              mask=d_mask)  # fmt: skip
 
 
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Triton launches on the *current* CUDA device and its stream: a worker on cuda:1, or an
+    engine stepped from a thread that never set its device, would otherwise launch against
+    device 0 with pointers into device 1."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -256,23 +267,26 @@ def paged_decode_attention(
         (batch, heads, num_splits, head_dim), dtype=torch.float32, device=query.device
     )
     part_lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=query.device)
-    _decode_split_kernel[(batch, kv_heads, num_splits)](
-        query, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, scale, num_splits,
-        query.stride(0), query.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        G_P2=_p2(group, 16), D_P2=_p2(head_dim, 16), BLOCK_N=DECODE_BLOCK_N,
-        PRECISION=_precision(query.dtype), DOT_FP32=_dot_fp32(query.dtype),
-    )  # fmt: skip
-    _decode_merge_kernel[(batch, heads)](
-        out, part_out, part_lse, num_splits,
-        out.stride(0), out.stride(1),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        HEAD_DIM=head_dim, D_P2=_p2(head_dim), S_P2=_p2(num_splits),
-    )  # fmt: skip
+    with on_device(query.device):
+        _decode_split_kernel[(batch, kv_heads, num_splits)](
+            query, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, scale,
+            num_splits,
+            query.stride(0), query.stride(1), block_tables.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            part_out.stride(0), part_out.stride(1), part_out.stride(2),
+            part_lse.stride(0), part_lse.stride(1),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            G_P2=_p2(group, 16), D_P2=_p2(head_dim, 16), BLOCK_N=DECODE_BLOCK_N,
+            PRECISION=_precision(query.dtype), DOT_FP32=_dot_fp32(query.dtype),
+        )  # fmt: skip
+    with on_device(query.device):
+        _decode_merge_kernel[(batch, heads)](
+            out, part_out, part_lse, num_splits,
+            out.stride(0), out.stride(1),
+            part_out.stride(0), part_out.stride(1), part_out.stride(2),
+            part_lse.stride(0), part_lse.stride(1),
+            HEAD_DIM=head_dim, D_P2=_p2(head_dim), S_P2=_p2(num_splits),
+        )  # fmt: skip
     return out
 
 
@@ -358,14 +372,15 @@ def paged_prefill_attention(
     if max_query_len is None:
         max_query_len = int((query_start[1:] - query_start[:-1]).max())  # a host sync
     grid = (triton.cdiv(max_query_len, PREFILL_BLOCK_M), num_seqs, heads)
-    _prefill_kernel[grid](
-        query, k_cache, v_cache, out, block_tables, query_start, context_lens, scale,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        D_P2=_p2(head_dim, 16), BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
-        PRECISION=_precision(query.dtype), DOT_FP32=_dot_fp32(query.dtype),
-    )  # fmt: skip
+    with on_device(query.device):
+        _prefill_kernel[grid](
+            query, k_cache, v_cache, out, block_tables, query_start, context_lens, scale,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            D_P2=_p2(head_dim, 16), BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
+            PRECISION=_precision(query.dtype), DOT_FP32=_dot_fp32(query.dtype),
+        )  # fmt: skip
     return out
 
 
