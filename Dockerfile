@@ -5,7 +5,10 @@
 #   worker-cpu  the same worker on a CPU build of PyTorch (docker-compose.cpu.yml)
 
 ARG PYTHON_IMAGE=python:3.11-slim
-ARG TORCH_CUDA_IMAGE=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
+# the torch the tests run; PyPI's build of it is for CUDA 13 (NVIDIA driver R580 or newer), so
+# the GPU worker takes PyTorch's CUDA 12.6 build, which R535-R570 drivers (most H100 hosts) run
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_CUDA_INDEX=https://download.pytorch.org/whl/cu126
 
 # ---- api -----------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS api
@@ -31,17 +34,27 @@ EXPOSE 8000
 CMD ["conveyor", "serve", "--host", "0.0.0.0", "--port", "8000"]
 
 # ---- worker (CUDA) -------------------------------------------------------------------------
-FROM ${TORCH_CUDA_IMAGE} AS worker
+# The CUDA runtime comes inside torch's and Triton's wheels and the driver from the host (the
+# NVIDIA container toolkit): a plain Python image suffices. Triton compiles a small C module
+# when it first launches: gcc and libc's headers (Python.h is in the image already).
+FROM ${PYTHON_IMAGE} AS worker
+ARG TORCH_VERSION
+ARG TORCH_CUDA_INDEX
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    HF_HOME=/models CONVEYOR_GPU_LOCK_DIR=/locks
+    HF_HOME=/models CONVEYOR_GPU_LOCK_DIR=/locks \
+    TRITON_CACHE_DIR=/models/triton TORCHINDUCTOR_CACHE_DIR=/models/inductor
 WORKDIR /app
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_CUDA_INDEX}"
 COPY . .
-# the base image's torch satisfies `torch>=2.4`, so pip keeps it
+# torch is installed: pip keeps it, and `[gpu]` adds the Triton it was built with
 RUN pip install '.[gpu]' \
     && useradd --create-home --uid 10001 conveyor \
     && mkdir -p /models /locks && chown conveyor /models /locks
 USER conveyor
-CMD ["conveyor", "worker"]
+# a GPU worker that sees no GPU refuses to start, rather than running on the CPU
+CMD ["conveyor", "worker", "--device", "cuda"]
 
 # ---- worker (CPU) --------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS worker-cpu
@@ -52,7 +65,8 @@ WORKDIR /app
 # are built on the worker's own CPU at start (without one the worker runs the eager path)
 RUN apt-get update && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
-RUN pip install torch --index-url https://download.pytorch.org/whl/cpu
+ARG TORCH_VERSION
+RUN pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
 COPY . .
 RUN pip install . \
     && useradd --create-home --uid 10001 conveyor \

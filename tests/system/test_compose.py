@@ -156,6 +156,31 @@ def dockerfile_targets() -> set[str]:
     return set(re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", (ROOT / "Dockerfile").read_text(), re.M))
 
 
+def dockerfile_stage(name: str) -> str:
+    text = (ROOT / "Dockerfile").read_text()
+    start = re.search(rf"^FROM\s+\S+\s+AS\s+{name}$", text, re.M)
+    assert start, name
+    end = re.search(r"^FROM\s", text[start.end() :], re.M)
+    return text[start.start() : start.end() + end.start() if end else len(text)]
+
+
+def test_the_gpu_image_can_build_triton_and_runs_the_tested_torch() -> None:
+    """What Triton needs when it first launches (a C compiler and libc's headers; it never
+    calls `cc`), the torch the tests run (a CUDA build), and a worker that asks for CUDA."""
+    text = (ROOT / "Dockerfile").read_text()
+    stage = dockerfile_stage("worker")
+    installs = " ".join(re.findall(r"apt-get install ([^&]+)", stage))
+    assert {"gcc", "libc6-dev"} <= set(installs.split()), installs
+    tested = re.search(r"pip install --quiet torch==(\S+)", (ROOT / ".ci" / "run").read_text())
+    assert tested and re.search(rf"^ARG TORCH_VERSION={re.escape(tested[1])}$", text, re.M)
+    assert 'pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_CUDA_INDEX}"' in stage
+    assert re.search(r"^ARG TORCH_CUDA_INDEX=https://download\.pytorch\.org/whl/cu\d+$", text, re.M)
+    assert "TRITON_CACHE_DIR=/models/triton" in stage
+    command = 'CMD ["conveyor", "worker", "--device", "cuda"]'
+    assert re.findall(r"^CMD .*$", stage, re.M) == [command]
+    assert "-runtime" not in text  # PyTorch's runtime images have no compiler
+
+
 def code_env_reads() -> set[str]:
     """Environment variables our code reads by name."""
     pattern = re.compile(
@@ -246,6 +271,12 @@ def test_compose_service_graph(variant: str) -> None:
         assert devices and devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
         # replicas share the GPUs and each claims its own through the lock volume
         assert services["worker"]["environment"]["CONVEYOR_GPU_LOCK_DIR"] == "/locks"
+        # a GPU worker that sees no GPU refuses to start instead of running on the CPU
+        assert services["worker"]["command"][-2:] == ["--device", "cuda"]
+        # compiled kernels live in a volume
+        cache = services["worker"]["environment"]["TRITON_CACHE_DIR"]
+        mounts = [m.split(":")[1] for m in services["worker"]["volumes"]]
+        assert any(cache.startswith(m + "/") for m in mounts), (cache, mounts)
     else:
         assert services["worker"]["build"]["target"] == "worker-cpu"
         assert devices is None
