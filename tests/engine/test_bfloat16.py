@@ -40,9 +40,25 @@ def test_auto_is_bfloat16_exactly_where_the_cpu_has_fast_bfloat16(monkeypatch):
     for fast, want in ((True, torch.bfloat16), (False, torch.float32)):
         monkeypatch.setattr(dtypes, "cpu_has_fast_bfloat16", lambda fast=fast: fast)
         assert dtypes.resolve_dtype("auto", torch.float32, cpu) == want
-    cuda = torch.device("cuda")
+    cuda = torch.device("cuda", 0)
     assert dtypes.resolve_dtype("auto", torch.float16, cuda) == torch.float16
     assert dtypes.resolve_dtype("bf16", torch.float32, cpu) == torch.bfloat16
+    # a float32 checkpoint (or a config naming no dtype) computes in half precision on a GPU
+    for capability, want in (((9, 0), torch.bfloat16), ((7, 5), torch.float16)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _, c=capability: c)
+        assert dtypes.resolve_dtype("auto", torch.float32, cuda) == want
+    assert dtypes.resolve_dtype("float32", torch.float32, cuda) == torch.float32
+
+
+def test_a_cuda_device_with_no_gpu_is_refused_naming_why(monkeypatch):
+    from engine.llm_engine import _resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(ValueError, match="no CUDA GPU is visible"):
+        _resolve_device("cuda")
+    with pytest.raises(ValueError, match="no CUDA GPU is visible"):
+        _resolve_device("cuda:1")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
