@@ -2,10 +2,14 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 # Triton reads this when it is first imported, and torch.compile (the compiled CPU attention)
-# imports Triton early: set it before any test runs so the Triton kernels' tests run on the
-# interpreter whatever ran before them. CPU code paths never launch Triton kernels.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# imports Triton early: without a GPU, set it before any test runs so the Triton kernels' tests
+# run on the interpreter whatever ran before them. With one they run compiled, on it. CPU code
+# paths never launch Triton kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # The services the tests start (workers, `conveyor serve`) compute in float32, where their
 # answers can be compared with transformers' token for token; on a CPU with fast bfloat16 the
 # default would be bfloat16, which has tests of its own (tests/engine/test_bfloat16.py). They
@@ -30,6 +34,15 @@ from tests.hf_reference import ARCHS  # noqa: E402
 # throwaway servers from the local binaries; when those are missing too, the test fails saying
 # what to install. Each test gets its own freshly migrated database (cloned from a template)
 # and an empty Redis database.
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU: torch sees none here")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(no_gpu)
 
 
 def _server(server: Callable[[], AbstractContextManager[str]]) -> Iterator[str]:

@@ -57,7 +57,9 @@ def random_prompts(
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def assert_greedy_matches_hf_through(path: Path, attention_backend: str, seed: int) -> None:
+def assert_greedy_matches_hf_through(
+    path: Path, attention_backend: str, seed: int, device: str = "cpu"
+) -> None:
     """The engine's greedy equality with transformers through one attention backend: mixed
     lengths, long prompts split across steps, and a prompt whose prefix comes from the cache."""
     from engine import LLM, SamplingParams
@@ -67,7 +69,7 @@ def assert_greedy_matches_hf_through(path: Path, attention_backend: str, seed: i
     max_tokens = [6, 3, 8, 5, 1, 7]
     llm = LLM(
         str(path),
-        device="cpu",
+        device=device,
         dtype="float32",
         block_size=8,
         max_num_batched_tokens=48,

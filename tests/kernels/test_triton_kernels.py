@@ -1,4 +1,5 @@
-"""The Triton paged-attention kernels against the torch reference, on Triton's CPU interpreter.
+"""The Triton paged-attention kernels against the torch reference: compiled, on the GPU, where
+there is one; on Triton's CPU interpreter elsewhere.
 
 Every kernel runs on randomly drawn shapes: shuffled, non-contiguous block tables, context
 lengths that are not multiples of the block size, several GQA ratios, head sizes and block
@@ -10,12 +11,17 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton compiles anything: run on the CPU
+import torch
+
+# before triton compiles anything: without a GPU, run on the CPU
+COMPILED = torch.cuda.is_available()
+if not COMPILED:
+    os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = "cuda" if COMPILED else "cpu"
 
 import random  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from kernels import torch_paged as ref  # noqa: E402
 from kernels import triton_paged as tk  # noqa: E402
@@ -23,6 +29,13 @@ from tests.hf_reference import assert_greedy_matches_hf_through  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
 HEAD_SIZES = (64, 80, 96, 128, 256)
+
+
+@pytest.fixture(autouse=True)
+def on_the_kernels_device():
+    """The tests' tensors on the GPU where the kernels run compiled."""
+    with torch.device(DEVICE):
+        yield
 
 
 def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
@@ -189,13 +202,13 @@ def test_store_kv_writes_only_its_slots(dtype):
 
 
 def test_engine_greedy_matches_transformers_through_triton(checkpoints):
-    assert_greedy_matches_hf_through(checkpoints["qwen3"], "triton", seed=3)
+    assert_greedy_matches_hf_through(checkpoints["qwen3"], "triton", seed=3, device=DEVICE)
 
 
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
     from kernels import get_attention_backend
 
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         get_attention_backend("triton", torch.device("cpu"))
     assert get_attention_backend("auto", torch.device("cpu")).name == "compiled"
@@ -214,9 +227,19 @@ def test_kernel_benchmark_runs_or_says_there_is_no_gpu():
     import subprocess
     import sys
 
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, on a GPU
     done = subprocess.run(
-        [sys.executable, "bench/triton_decode.py"], capture_output=True, text=True
+        [sys.executable, "bench/triton_decode.py"], capture_output=True, text=True, env=env
     )
     assert done.returncode == 0, done.stderr
     expected = "goal:" if torch.cuda.is_available() else "no CUDA GPU"
     assert expected in done.stdout
+
+
+@pytest.mark.gpu
+def test_the_kernels_run_compiled_on_the_gpu():
+    """Where there is a GPU, this file's kernels ran compiled on it, never interpreted."""
+    assert COMPILED and DEVICE == "cuda"
+    assert os.environ.get("TRITON_INTERPRET", "0") != "1"
+    case = DECODE_CASES[3]  # bf16, split in 4
+    test_paged_decode_matches_reference(case)
