@@ -222,6 +222,19 @@ class Throughput(BaseModel):
     data: list[ThroughputPoint] = Field(description="every interval from the first result on")
 
 
+class EnginePlan(BaseModel):
+    """How a worker's engine runs each piece on its device, chosen once at start (see the
+    engine's `device_plan`): attention, elementwise (norms, rope, activation), projections;
+    `reasons` says why a piece is not the fastest kind."""
+
+    device: str
+    capability: str
+    attention: str
+    elementwise: str
+    projections: str
+    reasons: dict[str, str] = {}
+
+
 class Worker(BaseModel):
     id: str
     object: Literal["worker"] = "worker"
@@ -243,6 +256,7 @@ class Worker(BaseModel):
     generation_tokens: int | None = None
     preemptions: int | None = None
     running_shards: int = Field(description="shards this worker holds now")
+    plan: EnginePlan | None = Field(default=None, description="how its engine runs each piece")
 
 
 class WorkerList(BaseModel):

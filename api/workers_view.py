@@ -69,7 +69,15 @@ def _worker(row: WorkerRow, running_shards: int) -> schemas.Worker:
         generation_tokens=_count(stats, "generation_tokens"),
         preemptions=_count(stats, "num_preemptions"),
         running_shards=running_shards,
+        plan=_plan(stats.get("plan")),
     )
+
+
+def _plan(value: object) -> schemas.EnginePlan | None:
+    try:
+        return schemas.EnginePlan.model_validate(value) if isinstance(value, dict) else None
+    except ValueError:  # a worker of another version: leave it out
+        return None
 
 
 def model_queues(session: Session, project: str, heartbeat_timeout: float) -> schemas.QueueList:

@@ -129,6 +129,12 @@ class EngineConfig:
     attention_backend: str = _option(
         "auto", "attention implementation: auto or a backend name the engine knows (default auto)"
     )
+    elementwise: str = _option(
+        "auto",
+        "how norms, rope and the activation run: auto (the fastest this device runs), native "
+        "(bfloat16 on AVX512-BF16 CPUs), compiled (inductor, on a CPU) or eager (default auto)",
+        choices=("auto", "native", "compiled", "eager"),
+    )
     grammar_timeout: float = _option(
         10.0,
         "a request whose structured output (JSON schema, regex, grammar) has not compiled "

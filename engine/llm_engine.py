@@ -15,6 +15,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cpu_memory import reuse_large_allocations
+from engine.device_plan import plan_device
 from engine.dtypes import resolve_dtype
 from engine.errors import PROMPT, ContextLengthError, InvalidRequestError, RequestFailure
 from engine.loader import (
@@ -92,8 +93,14 @@ class LLMEngine:
             max_waiting_time=config.max_waiting_time,
         )
         backend = get_attention_backend(config.attention_backend, self.device)
-        if backend.name == "compiled":  # C++ builds here: fuse norms, rope and the activation
-            net.fuse_elementwise()
+        attn, mlp = net.model.layers[0].self_attn, net.model.layers[0].mlp
+        self.plan = plan_device(
+            self.device, self.dtype, backend.name, elementwise=config.elementwise,
+            hidden=net.model.embed_tokens.weight.shape[1], head_dim=attn.head_dim,
+            intermediate=mlp.down_proj.in_features,
+        )  # fmt: skip
+        log.info("engine plan: %s", self.plan.describe())
+        net.use_elementwise(self.plan.elementwise)
         self.runner = ModelRunner(
             net, backend, num_kv_blocks, config.block_size, self.device, self.dtype
         )

@@ -13,10 +13,12 @@ if not torch.cuda.is_available():
 # The services the tests start (workers, `conveyor serve`) compute in float32, where their
 # answers can be compared with transformers' token for token; on a CPU with fast bfloat16 the
 # default would be bfloat16, which has tests of its own (tests/engine/test_bfloat16.py). They
-# use the eager attention, which starts without compiling: the compiled path is tested in
-# process (tests/engine, tests/kernels), where it compiles once for the whole session.
+# use the eager attention and elementwise ops, which start without compiling: the compiled
+# paths are tested in process (tests/engine, tests/kernels), where they compile once for the
+# whole session.
 os.environ.setdefault("CONVEYOR_DTYPE", "float32")
 os.environ.setdefault("CONVEYOR_ATTENTION_BACKEND", "torch")
+os.environ.setdefault("CONVEYOR_ELEMENTWISE", "eager")
 
 from collections.abc import Callable, Iterator  # noqa: E402
 from contextlib import AbstractContextManager, ExitStack  # noqa: E402

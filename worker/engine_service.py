@@ -94,6 +94,8 @@ class EngineService(threading.Thread):
         data["engine_steps"] = self.steps
         data["in_flight"] = len(self.jobs)
         data["co_scheduled"] = [[a, b, n] for (a, b), n in self.co_scheduled.most_common(50)]
+        if (plan := getattr(self.engine, "plan", None)) is not None:  # how each piece runs
+            data["plan"] = plan.as_dict()
         return data
 
     # ---- the loop --------------------------------------------------------------------------

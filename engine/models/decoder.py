@@ -56,7 +56,7 @@ class Attention(nn.Module):
         )
         o_bias = bool(getattr(config, "attention_bias", False))  # Qwen2 biases q/k/v only
         self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
-        self.impl = EAGER  # how rope runs (see `DecoderForCausalLM.fuse_elementwise`)
+        self.impl = EAGER  # how rope runs (see `DecoderForCausalLM.use_elementwise`)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -91,7 +91,7 @@ class MLP(nn.Module):
         hidden, inter = config.hidden_size, config.intermediate_size
         self.gate_up_proj = PackedLinear(hidden, {"gate": inter, "up": inter}, bias=bias)
         self.down_proj = Linear(inter, hidden, bias=bias)
-        self.impl = EAGER  # how SiLU(gate) * up runs (see `DecoderForCausalLM.fuse_elementwise`)
+        self.impl = EAGER  # how SiLU(gate) * up runs (see `DecoderForCausalLM.use_elementwise`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl == NATIVE:
@@ -182,22 +182,15 @@ class DecoderForCausalLM(nn.Module):
             return self.packed_lm_head(hidden)
         return self.lm_head(hidden)
 
-    def fuse_elementwise(self) -> None:
-        """Norms, rope and the activation as fused loops, on a CPU where inductor builds
-        code: in bfloat16 with AVX512-BF16, `kernels.native_layers`; else norms and rope
-        compiled by inductor (its activation was no faster than eager's)."""
-        weight = self.model.embed_tokens.weight
-        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
-        native = (
-            weight.dtype == torch.bfloat16
-            and weight.device.type == "cpu"
-            and native_layers.covers(weight.shape[1], attn.head_dim, mlp.down_proj.in_features)
-        )
+    def use_elementwise(self, impl: str) -> None:
+        """Run norms, rope and the activation as `impl` (engine.device_plan chooses): `NATIVE`
+        (kernels.native_layers: all three), `COMPILED` (norms and rope compiled by inductor; its
+        activation was no faster than eager's) or `EAGER`."""
         for module in self.modules():
             if isinstance(module, RMSNorm | Attention):
-                module.impl = NATIVE if native else COMPILED
-            elif isinstance(module, MLP) and native:
-                module.impl = NATIVE
+                module.impl = impl
+            elif isinstance(module, MLP):
+                module.impl = NATIVE if impl == NATIVE else EAGER
 
     def warm_up_products(self, max_rows: int) -> None:
         """Run each distinct projection (one layer's and the output layer) at every row count

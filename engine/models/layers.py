@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from collections.abc import Callable
 
@@ -13,8 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import native_layers
-
-log = logging.getLogger(__name__)
 
 # How a module runs its elementwise steps (norms, rope, activation): torch's eager ops, fused
 # loops compiled by inductor, or `kernels.native_layers` (bfloat16, AVX512-BF16 CPUs).
@@ -74,7 +71,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.impl = EAGER  # see `DecoderForCausalLM.fuse_elementwise`
+        self.impl = EAGER  # see `DecoderForCausalLM.use_elementwise`
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -159,14 +156,19 @@ ONEDNN_CACHE_CAPACITY = 8192
 
 
 @functools.cache
-def _onednn_bf16() -> bool:
-    """Whether this CPU runs oneDNN's bf16 products (its reorder refuses on AVX2 alone)."""
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    if check is not None and check():
+def onednn_runs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's prepacked products run `dtype` on this CPU (its bfloat16 path needs
+    avx512bw/vl/dq or avx_ne_convert: on AVX2 alone its reorder refuses)."""
+    if not (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return False
+    if dtype == torch.float32:
         return True
-    log.info("bf16 projections use the plain product: oneDNN's bf16 path needs avx512bw/vl/dq "
-             "or avx_ne_convert, which this CPU lacks")  # fmt: skip
-    return False
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return dtype == torch.bfloat16 and check is not None and bool(check())
 
 
 class PrepackedLinear:
@@ -182,16 +184,7 @@ class PrepackedLinear:
 
     @classmethod
     def for_cpu(cls, weight: torch.Tensor) -> PrepackedLinear | None:
-        usable = (
-            weight.device.type == "cpu"
-            and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        )
-        if usable and weight.dtype == torch.bfloat16 and not _onednn_bf16():
-            usable = False
-        if not usable:
+        if weight.device.type != "cpu" or not onednn_runs(weight.dtype):
             return None
         # read by oneDNN when it makes its cache, at the first oneDNN op of the process
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))

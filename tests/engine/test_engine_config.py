@@ -87,7 +87,8 @@ def test_command_line_flags_make_the_config(monkeypatch: pytest.MonkeyPatch) -> 
     assert engine_config(build_parser().parse_args([*run_batch, *flags])) == expected
     assert engine_config(build_parser().parse_args(run_batch)) == EngineConfig()
 
-    for name in ("CONVEYOR_DTYPE", "CONVEYOR_ATTENTION_BACKEND"):  # the test session sets them
+    # the test session sets these
+    for name in ("CONVEYOR_DTYPE", "CONVEYOR_ATTENTION_BACKEND", "CONVEYOR_ELEMENTWISE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("CONVEYOR_MAX_NUM_SEQS", "4")
     monkeypatch.setenv("CONVEYOR_NO_PREFIX_CACHING", "true")

@@ -1,0 +1,120 @@
+"""How each piece of the engine runs on this device, decided once from the device and what it
+can do (CUDA, or the CPU's instructions and a C++ compiler), logged once at start, each piece
+overridable, and reported with the worker (`/v1/workers`). Nothing else chooses between the
+implementations of a piece:
+
+- attention: `kernels.selector` (Triton on CUDA; on the CPU the compiled C++ path, or the torch
+  reference without a compiler);
+- elementwise (norms, rope, the activation): `kernels.native_layers` in bfloat16 on a CPU with
+  AVX512-BF16, loops compiled by inductor on other CPUs with a compiler, torch's eager ops on
+  CUDA and where nothing can be built;
+- projections: oneDNN's prepacked weights on the CPU where oneDNN runs the dtype (its bfloat16
+  path needs avx512bw/vl/dq or avx_ne_convert), the plain product (cuBLAS, MKL) elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from engine.models.layers import COMPILED, EAGER, NATIVE, onednn_runs
+from kernels import native_layers
+
+log = logging.getLogger(__name__)
+
+ELEMENTWISE = ("auto", NATIVE, COMPILED, EAGER)
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    device: str
+    capability: str  # "cuda sm_90" or the CPU's instruction sets
+    attention: str  # a kernels.selector backend name
+    elementwise: str  # native, compiled or eager
+    projections: str  # onednn or plain
+    reasons: dict[str, str] = field(default_factory=dict)  # piece -> why it is not the fastest
+
+    def describe(self) -> str:
+        pieces = [f"attention {self.attention}", f"elementwise {self.elementwise}",
+                  f"projections {self.projections}"]  # fmt: skip
+        text = f"{self.device} ({self.capability}): " + ", ".join(pieces)
+        if self.reasons:
+            text += "; " + "; ".join(f"{k}: {v}" for k, v in self.reasons.items())
+        return text
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan_device(
+    device: torch.device,
+    dtype: torch.dtype,
+    attention: str,
+    *,
+    hidden: int,
+    head_dim: int,
+    intermediate: int,
+    elementwise: str = "auto",
+) -> DevicePlan:
+    """The plan for a model of these sizes in `dtype` on `device`; `attention` and
+    `elementwise` are the user's choices ("auto": the fastest this device runs)."""
+    if elementwise not in ELEMENTWISE:
+        choices = ", ".join(ELEMENTWISE)
+        raise ValueError(f"elementwise must be one of {choices}, got {elementwise!r}")
+    reasons: dict[str, str] = {}
+    if elementwise == "auto":
+        elementwise = _fastest_elementwise(device, dtype, hidden, head_dim, intermediate, reasons)
+    elif elementwise == NATIVE and not (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and native_layers.covers(hidden, head_dim, intermediate)
+    ):
+        raise ValueError(
+            "elementwise native: the native kernels run bfloat16 on a CPU with AVX512-BF16, for "
+            "hidden and intermediate sizes that are multiples of 16 and head sizes of 32"
+        )
+    if device.type == "cpu" and onednn_runs(dtype):
+        projections = "onednn"
+    else:
+        projections = "plain"
+        if device.type == "cpu":
+            reasons["projections"] = f"oneDNN does not run {_name(dtype)} on this CPU"
+    return DevicePlan(str(device), _capability(device), attention, elementwise, projections,
+                      reasons)  # fmt: skip
+
+
+def _fastest_elementwise(
+    device: torch.device, dtype: torch.dtype, hidden: int, head_dim: int, intermediate: int,
+    reasons: dict[str, str],
+) -> str:  # fmt: skip
+    if device.type != "cpu":
+        reasons["elementwise"] = "no fused kernels for this device yet: torch's ops"
+        return EAGER
+    if dtype == torch.bfloat16 and native_layers.covers(hidden, head_dim, intermediate):
+        return NATIVE
+    from kernels import compiled_paged
+
+    if problem := compiled_paged.compiler_missing():
+        reasons["elementwise"] = problem
+        return EAGER
+    return COMPILED
+
+
+def _capability(device: torch.device) -> str:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"cuda sm_{major}{minor}"
+    flags = ("amx_bf16", "avx512_bf16", "avx512bw", "avx512f", "avx2")
+    try:
+        with open("/proc/cpuinfo") as f:
+            have = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        have = set()
+    found = [flag for flag in flags if flag in have]
+    return " ".join(found) or torch.backends.cpu.get_cpu_capability().lower()
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

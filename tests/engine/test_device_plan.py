@@ -1,0 +1,92 @@
+"""One place chooses how each piece of the engine runs on this device (engine.device_plan):
+the attention backend chosen does not change how norms, rope and the activation run, each
+piece can be overridden, a piece that is not the fastest kind says why, and workers report the
+plan."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import device_plan
+from engine.device_plan import plan_device
+from kernels import compiled_paged, native_layers
+
+DIMS = dict(hidden=64, head_dim=32, intermediate=128)
+CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def compiler(monkeypatch):
+    monkeypatch.setattr(compiled_paged, "compiler_missing", lambda: None)
+
+
+def test_the_attention_backend_does_not_decide_the_elementwise_ops(compiler, monkeypatch):
+    monkeypatch.setattr(native_layers, "covers", lambda *_: False)
+    for attention in ("torch", "compiled"):
+        plan = plan_device(CPU, torch.float32, attention, **DIMS)
+        assert (plan.attention, plan.elementwise) == (attention, "compiled")
+
+
+def test_bfloat16_on_a_cpu_with_the_native_kernels_takes_them(compiler, monkeypatch):
+    monkeypatch.setattr(native_layers, "covers", lambda *_: True)
+    assert plan_device(CPU, torch.bfloat16, "torch", **DIMS).elementwise == "native"
+    assert plan_device(CPU, torch.float32, "torch", **DIMS).elementwise == "compiled"
+    forced = plan_device(CPU, torch.bfloat16, "torch", elementwise="eager", **DIMS)
+    assert forced.elementwise == "eager" and "elementwise" not in forced.reasons  # as asked
+
+
+def test_what_cannot_run_here_is_refused_or_said(monkeypatch):
+    monkeypatch.setattr(native_layers, "covers", lambda *_: False)
+    with pytest.raises(ValueError, match="elementwise native"):
+        plan_device(CPU, torch.bfloat16, "torch", elementwise="native", **DIMS)
+    with pytest.raises(ValueError, match="elementwise must be one of"):
+        plan_device(CPU, torch.float32, "torch", elementwise="fused", **DIMS)
+    monkeypatch.setattr(compiled_paged, "compiler_missing", lambda: "no C++ compiler (g++)")
+    plan = plan_device(CPU, torch.float32, "torch", **DIMS)
+    assert plan.elementwise == "eager" and "no C++ compiler" in plan.reasons["elementwise"]
+    monkeypatch.setattr(device_plan, "onednn_runs", lambda dtype: dtype == torch.float32)
+    plan = plan_device(CPU, torch.bfloat16, "torch", **DIMS)
+    assert plan.projections == "plain" and "bfloat16" in plan.reasons["projections"]
+    assert "projections: oneDNN does not run bfloat16" in plan.describe()
+
+
+def test_on_cuda_every_piece_is_a_cuda_one(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _: (9, 0))
+    plan = plan_device(torch.device("cuda", 0), torch.bfloat16, "triton", **DIMS)
+    assert (plan.capability, plan.attention, plan.elementwise, plan.projections) == (
+        "cuda sm_90", "triton", "eager", "plain"
+    )  # fmt: skip
+    assert "elementwise" in plan.reasons
+
+
+def test_the_engine_runs_its_plan_and_the_worker_reports_it(checkpoints):
+    from api.workers_view import _worker
+    from engine import LLM
+    from ledger.models import WorkerRow
+    from worker.engine_service import EngineService
+
+    llm = LLM(str(checkpoints["llama"]), device="cpu", attention_backend="torch")
+    layer = llm.runner.model.model.layers[0]
+    assert layer.input_layernorm.impl == layer.self_attn.impl == llm.plan.elementwise
+    stats = EngineService(llm).snapshot()
+    row = WorkerRow(id="w", models=["m"], queues=[], started_at=0.0, last_seen=0.0, stats=stats)
+    shown = _worker(row, running_shards=0)
+    assert shown.plan is not None and shown.plan.elementwise == llm.plan.elementwise
+    assert shown.plan.attention == "torch"
+
+
+def test_nothing_else_branches_on_a_backend_name():
+    pattern = re.compile(r"\.name\s*[!=]=\s*[\"'](torch|compiled|triton)[\"']")
+    found = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for folder in ("engine", "kernels", "worker", "conveyor")
+        for path in (ROOT / folder).rglob("*.py")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert found == []
