@@ -12,6 +12,7 @@ from engine.sequence import Sequence
 from kernels import AttentionBackend, AttentionMetadata
 from kernels.cascade import plan_cascade
 from kernels.metadata import BatchTables
+from kernels.upload import StepUpload
 
 
 @dataclass
@@ -68,21 +69,30 @@ class ModelRunner:
         """One forward pass; `scheduled` must list decodes (one new token) before prefills."""
         step = StepLayout.of(scheduled, prompt_logprob_seqs, self.block_size)
         dev = self.device
-        slot_mapping = torch.tensor(step.slots, dtype=torch.long, device=dev)
-        meta = AttentionMetadata.build(slot_mapping, step.tables, dev)
+        kept = step.output_rows()
+        at = {row: i for i, row in enumerate(kept or range(len(step.input_ids)))}
+        # every integer input of the step in one host-to-device copy
+        upload = StepUpload(dev)
+        slots = upload.add(step.slots)
+        input_ids = upload.add(step.input_ids)
+        positions = upload.add(step.positions)
+        kept_rows = None if kept is None else upload.add(kept)
+        sample_rows = upload.add([at[r] for r in step.sample_rows])
+        finish_meta = AttentionMetadata.stage(step.tables, upload)
+        fetch = upload.send()
+        slot_mapping = fetch(slots)
+        meta = finish_meta(slot_mapping, fetch)
         if self.cascade:
             meta.cascade = plan_cascade(slot_mapping, step.tables, self.block_size, dev)
-        kept = step.output_rows()
         hidden = self.model(
-            torch.tensor(step.input_ids, dtype=torch.long, device=dev),
-            torch.tensor(step.positions, dtype=torch.long, device=dev),
+            fetch(input_ids),
+            fetch(positions),
             self.kv_caches,
             meta,
             self.backend,
-            None if kept is None else torch.tensor(kept, dtype=torch.long, device=dev),
+            None if kept_rows is None else fetch(kept_rows),
         )
-        at = {row: i for i, row in enumerate(kept or range(len(step.input_ids)))}
-        sample_logits = self.model.compute_logits(hidden[[at[r] for r in step.sample_rows]])
+        sample_logits = self.model.compute_logits(hidden.index_select(0, fetch(sample_rows)))
         prompt_logits = {
             seq_id: (first, self.model.compute_logits(hidden[at[a] : at[b - 1] + 1]).float())
             for seq_id, (first, a, b) in step.prompt_rows.items()

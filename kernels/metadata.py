@@ -7,9 +7,12 @@ its own sequence, all of which are in the paged cache once this step's K/V is wr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from kernels.upload import Fetch, StepUpload
 
 
 @dataclass
@@ -38,26 +41,42 @@ class AttentionMetadata:
     def build(
         cls, slot_mapping: torch.Tensor, batch: BatchTables, device: torch.device
     ) -> AttentionMetadata:
-        return cls(
-            slot_mapping=slot_mapping,
-            num_decode_tokens=len(batch.decode_lens),
-            decode_block_tables=pad_tables(batch.decode_tables, device),
-            decode_context_lens=torch.tensor(batch.decode_lens, dtype=torch.long, device=device),
-            prefill_block_tables=pad_tables(batch.prefill_tables, device),
-            prefill_query_start=batch.query_start,
-            prefill_context_lens=batch.prefill_lens,
-            prefill_query_start_tensor=torch.tensor(
-                batch.query_start, dtype=torch.long, device=device
-            ),
-            prefill_context_lens_tensor=torch.tensor(
-                batch.prefill_lens, dtype=torch.long, device=device
-            ),
-            decode_max_context_len=max(batch.decode_lens, default=0),
-            prefill_max_query_len=max(
-                (b - a for a, b in zip(batch.query_start, batch.query_start[1:], strict=False)),
-                default=0,
-            ),
-        )
+        """The metadata of `batch`, its tensors copied to `device` in one go."""
+        upload = StepUpload(device)
+        finish = cls.stage(batch, upload)
+        return finish(slot_mapping, upload.send())
+
+    @classmethod
+    def stage(
+        cls, batch: BatchTables, upload: StepUpload
+    ) -> Callable[[torch.Tensor, Fetch], AttentionMetadata]:
+        """Stage `batch`'s tensors in a step's upload; the returned function builds the
+        metadata from the uploaded views."""
+        decode_tables = upload.add_rows(batch.decode_tables)
+        decode_lens = upload.add(batch.decode_lens)
+        prefill_tables = upload.add_rows(batch.prefill_tables)
+        query_start = upload.add(batch.query_start)
+        prefill_lens = upload.add(batch.prefill_lens)
+
+        def finish(slot_mapping: torch.Tensor, fetch: Fetch) -> AttentionMetadata:
+            return cls(
+                slot_mapping=slot_mapping,
+                num_decode_tokens=len(batch.decode_lens),
+                decode_block_tables=fetch(decode_tables),
+                decode_context_lens=fetch(decode_lens),
+                prefill_block_tables=fetch(prefill_tables),
+                prefill_query_start=batch.query_start,
+                prefill_context_lens=batch.prefill_lens,
+                prefill_query_start_tensor=fetch(query_start),
+                prefill_context_lens_tensor=fetch(prefill_lens),
+                decode_max_context_len=max(batch.decode_lens, default=0),
+                prefill_max_query_len=max(
+                    (b - a for a, b in zip(batch.query_start, batch.query_start[1:], strict=False)),
+                    default=0,
+                ),
+            )
+
+        return finish
 
 
 @dataclass
@@ -86,10 +105,3 @@ class CascadePlan:
     # the same batch with every shared prefix cut from its sequences' tables and lengths: the
     # attention over what each sequence has of its own
     suffix: AttentionMetadata
-
-
-def pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    """Block tables as one [len(tables), longest] tensor, padded with block 0."""
-    width = max((len(t) for t in tables), default=0)
-    padded = [t + [0] * (width - len(t)) for t in tables]
-    return torch.tensor(padded, dtype=torch.long, device=device).view(len(tables), width)

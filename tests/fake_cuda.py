@@ -11,10 +11,11 @@ with `~`, make it from data (`torch.tensor(..., device="cuda")`), fill it at ran
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 
 RANDOM_FILLS = {
@@ -70,9 +71,42 @@ def index(t: torch.Tensor, key) -> torch.Tensor:
     return out
 
 
+class Transfers(Counter):
+    """Copies between the host and the device, as a GPU would see them: `uploads` (pinned and
+    non-blocking), `blocking_uploads` (from pageable memory: the host waits) and `downloads`
+    (the host waits for the device: `.tolist()`, `.item()`, `.cpu()`...)."""
+
+
+def _is_cuda(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == "cuda"
+
+
+def _placeholder(t: torch.Tensor) -> torch.Tensor:
+    """A real CPU tensor of `t`'s shape and dtype (zeros): fake tensors have no values."""
+    with unset_fake_temporarily():
+        return torch.zeros(t.shape, dtype=t.dtype, device="cpu")
+
+
+DOWNLOADS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy}
+
+
 class _Routing(TorchFunctionMode):
+    def __init__(self, transfers: Transfers) -> None:
+        super().__init__()
+        self.transfers = transfers
+        self.pinned: set[int] = set()
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in DOWNLOADS and _is_cuda(args[0]):
+            self.transfers["downloads"] += 1
+            with unset_fake_temporarily():
+                return func(_placeholder(args[0]), *args[1:], **kwargs)
+        if func is torch.Tensor.pin_memory:
+            self.pinned.add(id(args[0]))
+            return args[0]
+        if func in (torch.Tensor.to, torch.Tensor.cuda):
+            return self._to(func, args, kwargs)
         if func is torch.Tensor.__getitem__:
             return index(*args)
         if func is torch.Tensor.__setitem__:
@@ -88,6 +122,7 @@ class _Routing(TorchFunctionMode):
             return None
         if func is torch.tensor and torch.device(kwargs.get("device") or "cpu").type == "cuda":
             # its shape and dtype (fake mode would copy a one-element tensor's data for real)
+            self.transfers["blocking_uploads"] += 1
             data = func(*args, **{**kwargs, "device": "cpu"})
             return torch.empty(data.shape, dtype=data.dtype, device=kwargs["device"])
         if func is torch.Tensor.__invert__:
@@ -96,10 +131,41 @@ class _Routing(TorchFunctionMode):
             return args[0] if args else kwargs["tensor"]
         return func(*args, **kwargs)
 
+    def _to(self, func, args, kwargs):
+        source = args[0]
+        target = kwargs.get("device")
+        if target is None:
+            target = "cuda" if func is torch.Tensor.cuda else next(
+                (a for a in args[1:] if isinstance(a, str | torch.device)), None
+            )  # fmt: skip
+        if target is None:
+            return func(*args, **kwargs)
+        target = torch.device(target)
+        if source.device.type == "cpu" and target.type == "cuda":
+            quiet = kwargs.get("non_blocking") and id(source) in self.pinned
+            self.transfers["uploads" if quiet else "blocking_uploads"] += 1
+            return torch.empty(source.shape, dtype=source.dtype, device=target)
+        if source.device.type == "cuda" and target.type == "cpu":
+            self.transfers["downloads"] += 1
+            return _placeholder(source)
+        return func(*args, **kwargs)
+
 
 @contextlib.contextmanager
-def fake_cuda() -> Iterator[FakeTensorMode]:
-    """Fake tensors, with `cuda` as the default device, while inside."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode, _Routing(), torch.device("cuda"):
-        yield mode
+def fake_cuda() -> Iterator[Transfers]:
+    """Fake tensors, with `cuda` as the default device, while inside; yields the count of
+    host-device copies made meanwhile."""
+    transfers = Transfers()
+
+    def tolist(self: FakeTensor) -> list:  # FakeTensor's own reads each element: one read here
+        if self.device.type == "cuda":
+            transfers["downloads"] += 1
+        with unset_fake_temporarily():
+            return _placeholder(self).tolist()
+
+    original, FakeTensor.tolist = FakeTensor.tolist, tolist
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), _Routing(transfers), torch.device("cuda"):
+            yield transfers
+    finally:
+        FakeTensor.tolist = original

@@ -89,3 +89,25 @@ def test_the_fake_device_refuses_a_cpu_tensor_mixed_with_a_cuda_one():
         assert on_gpu[1:, None, 2].shape == (3, 1)  # indexing works on fake CUDA tensors
         with pytest.raises(FakeTensorDeviceMismatchError):
             on_gpu + torch.ones(4, 4, device="cpu")
+
+
+def test_a_greedy_decode_step_copies_to_the_device_once_and_reads_back_once():
+    """Every integer input of the step goes up in one pinned, non-blocking copy; the sampled
+    ids come back in the step's one read."""
+    from engine.logits_processors import SampleRequest
+    from engine.sampler import Sampler
+
+    config = CONFIGS["qwen3"]
+    with fake_cuda() as transfers:
+        device = torch.device("cuda", 0)
+        model = MODEL_REGISTRY[config.architectures[0]](config, 256)
+        runner = ModelRunner(model, ShapeOnlyAttention(), 32, BLOCK, device, torch.bfloat16)
+        sampler = Sampler(torch.Generator())
+        seqs = [sequence(list(range(1, 12 + i)), 10 + i, 4 * i) for i in range(3)]
+        built = transfers.copy()
+        result = runner.run([ScheduledSeq(s, 1) for s in seqs], prompt_logprob_seqs=set())
+        rows = [SampleRequest(SamplingParams(temperature=0), None, []) for _ in seqs]
+        picked = sampler(result.sample_logits, rows)
+        assert len(picked.token_ids) == 3
+        step = transfers - built
+    assert dict(step) == {"uploads": 1, "downloads": 1}

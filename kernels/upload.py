@@ -1,0 +1,60 @@
+"""One step's integer inputs (token ids, positions, KV slots, block tables, lengths, the rows
+to read) gathered in one host buffer and copied to the device once: on CUDA from pinned memory
+and without blocking the host, where a `torch.tensor(list, device="cuda")` per input is a
+blocking copy each. Every input is a view of the one device tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Staged:
+    """Where one input lies in the step's buffer."""
+
+    offset: int
+    shape: tuple[int, ...]
+
+
+Fetch = Callable[[Staged], torch.Tensor]
+
+
+class StepUpload:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.values: list[int] = []
+
+    def add(self, values: Sequence[int]) -> Staged:
+        staged = Staged(len(self.values), (len(values),))
+        self.values.extend(values)
+        return staged
+
+    def add_rows(self, rows: Sequence[Sequence[int]]) -> Staged:
+        """Rows of different lengths as one [len(rows), longest] block, padded with 0."""
+        width = max((len(r) for r in rows), default=0)
+        staged = Staged(len(self.values), (len(rows), width))
+        for row in rows:
+            self.values.extend(row)
+            self.values.extend([0] * (width - len(row)))
+        return staged
+
+    def send(self) -> Fetch:
+        """Copy everything staged to the device (one copy); returns the view of each input."""
+        host = torch.tensor(self.values, dtype=torch.long, device="cpu")
+        if self.device.type == "cuda":
+            # pinned: the copy runs on the stream while the host goes on; the caching host
+            # allocator keeps the buffer until the copy has finished
+            on_device = host.pin_memory().to(self.device, non_blocking=True)
+        else:
+            on_device = host.to(self.device)
+
+        def fetch(staged: Staged) -> torch.Tensor:
+            size = math.prod(staged.shape)
+            return on_device[staged.offset : staged.offset + size].view(staged.shape)
+
+        return fetch
