@@ -77,7 +77,7 @@ class EngineService(threading.Thread):
             self.aborts.put(request_id)
         self.wakeup.set()
 
-    def stop(self, timeout: float = 60.0) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
         """End the loop after its current step and wait for it: a process that exits while
         this thread is inside a torch op aborts ("terminate called without an active
         exception"), because the interpreter unwinds a daemon thread through C++ frames."""
