@@ -21,6 +21,7 @@ import torch
 
 from engine.models.layers import COMPILED, EAGER, NATIVE, onednn_runs
 from kernels import native_layers
+from kernels.cpu_build import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -106,13 +107,8 @@ def _capability(device: torch.device) -> str:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return f"cuda sm_{major}{minor}"
-    flags = ("amx_bf16", "avx512_bf16", "avx512bw", "avx512f", "avx2")
-    try:
-        with open("/proc/cpuinfo") as f:
-            have = set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        have = set()
-    found = [flag for flag in flags if flag in have]
+    have = cpu_flags()
+    found = [f for f in ("amx_bf16", "avx512_bf16", "avx512bw", "avx512f", "avx2") if f in have]
     return " ".join(found) or torch.backends.cpu.get_cpu_capability().lower()
 
 

@@ -5,6 +5,7 @@ worker's second start loads them instead of compiling again."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -30,12 +31,19 @@ def cxx() -> str | None:
     return shutil.which(os.environ.get("CXX") or "g++") or shutil.which("c++")
 
 
-def cpu_has_avx512_bf16() -> bool:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's instruction-set flags as the kernel reports them (none where it does not)."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return "avx512_bf16" in flags and "avx512bw" in flags
+        return frozenset()
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def cpu_has_avx512_bf16() -> bool:
+    return {"avx512_bf16", "avx512bw"} <= cpu_flags()
 
 
 def build_library(compiler: str, source: Path, flags: tuple[str, ...]) -> Path:
