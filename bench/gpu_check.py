@@ -443,10 +443,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not args.cpu_dry_run and not torch.cuda.is_available():
-        reason = ("this torch is a build without CUDA" if torch.version.cuda is None
-                  else "torch finds no GPU (driver, or visible devices)")  # fmt: skip
+        from engine.llm_engine import no_cuda_reason
+
         print(
-            f"no CUDA GPU on this machine ({reason}, torch {torch.__version__}): nothing "
+            f"no CUDA GPU on this machine ({no_cuda_reason()}): nothing "
             "proved; run this where a GPU is, or --cpu-dry-run to exercise the checks' code"
         )
         return 2

@@ -667,17 +667,17 @@ def _resolve_device(device: str) -> torch.device:
             device = "cuda"
         else:
             device = "cpu"
-            reason = _no_cuda_reason()
+            reason = no_cuda_reason()
             log.info("device auto: the CPU, as no CUDA GPU is visible (%s)", reason)
     resolved = torch.device(device)
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r}: no CUDA GPU is visible ({_no_cuda_reason()})")
+        raise ValueError(f"device {device!r}: no CUDA GPU is visible ({no_cuda_reason()})")
     if resolved.type == "cuda" and resolved.index is None:
         resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved
 
 
-def _no_cuda_reason() -> str:
+def no_cuda_reason() -> str:
     if torch.version.cuda is None:
         return f"this torch, {torch.__version__}, is a build without CUDA"
     return f"torch {torch.__version__} finds no GPU: check the driver and the visible devices"
