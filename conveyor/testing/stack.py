@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -210,11 +211,31 @@ def stop_group(proc: subprocess.Popen, grace: float = 30) -> None:
 
 
 @contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM raises SystemExit in the main thread while inside, so that the `finally`s that
+    stop child processes run (Python's default for SIGTERM exits at once, leaving them)."""
+
+    def leave(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, leave)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
 def service_deployment(name: str, **env: str) -> Iterator[Stack]:
     """A bench run's deployment: a fresh database on the PostgreSQL server, a throwaway
     redis-server, and a stack on them with a deployment's heartbeat and reconciler timing (not
-    the tests' quick one), `env` added; its processes are stopped at the end."""
+    the tests' quick one), `env` added; its processes are stopped at the end, a SIGTERM to
+    this process (`timeout`, a CI runner giving up) included."""
     with (
+        sigterm_unwinds(),
         tempfile.TemporaryDirectory(prefix=f"conveyor-{name}-") as tmp,
         postgres_server() as server,
         scratch_database(server, f"conveyor_{name}_") as db_url,
