@@ -17,6 +17,7 @@ import torch
 from engine.logits_processors import SampleRequest, apply_logits_processors, changes_logits
 from engine.outputs import TokenLogprobs
 from kernels import native_layers
+from kernels.upload import upload
 
 __all__ = ["SampleRequest", "SampleResult", "Sampler"]
 
@@ -40,9 +41,35 @@ class Sampler:
     ) -> SampleResult:
         """`token_mask`, when given, masks the logits in place (structured outputs). `logits`
         may be in the model's dtype: they are widened to float32 before anything but a plain
-        greedy pick, which reads them as they are (widening changes no value or order)."""
-        if token_mask is None and all(plain_greedy(r) for r in rows):
-            return SampleResult(first_max_index(logits).tolist(), [None] * len(rows))
+        greedy pick, which reads them as they are (widening changes no value or order).
+
+        Only the rows that need more than a plain greedy pick go through the full path: one
+        sampled online request in a step of 255 greedy batch rows must not cost a softmax and
+        a noise draw over all 256 rows."""
+        if token_mask is None:
+            plain = [plain_greedy(r) for r in rows]
+            if all(plain):
+                return SampleResult(first_max_index(logits).tolist(), [None] * len(rows))
+            if any(plain):
+                rest = [i for i, p in enumerate(plain) if not p]
+                at = upload(torch.tensor(rest, device="cpu"), logits.device)
+                tokens = first_max_index(logits)
+                picked, top_rest = self._pick(logits[at], [rows[i] for i in rest], None)
+                tokens[at] = picked
+                top: list[TokenLogprobs | None] = [None] * len(rows)
+                for j, i in enumerate(rest):
+                    top[i] = top_rest[j]
+                return SampleResult(tokens.tolist(), top)
+        tokens, top = self._pick(logits, rows, token_mask)
+        return SampleResult(tokens.tolist(), top)
+
+    def _pick(
+        self,
+        logits: torch.Tensor,
+        rows: list[SampleRequest],
+        token_mask: Callable[[torch.Tensor], None] | None,
+    ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+        """The full path: float32, logprobs, mask, processors, then greedy or sampled."""
         logits = logits.float()
         # raw model logprobs, before any sampling transform, and only if a row asks for them
         want_logprobs = any(r.params.logprobs is not None for r in rows)
@@ -51,59 +78,79 @@ class Sampler:
             token_mask(logits)
         apply_logits_processors(logits, rows)
 
-        greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
-        tokens = first_max_index(logits)
-        if not bool(greedy.all()):
-            tokens = torch.where(greedy, tokens, self._sample(logits, rows))
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if len(sampled) == len(rows):
+            tokens = self._sample(logits, rows)
+        else:
+            tokens = first_max_index(logits)
+            if sampled:
+                at = upload(torch.tensor(sampled, device="cpu"), logits.device)
+                tokens[at] = self._sample(logits[at], [rows[i] for i in sampled])
 
+        if logprobs is None:
+            return tokens, [None] * len(rows)
         token_list = tokens.tolist()
         top = [
             top_logprobs(logprobs[i], token_list[i], r.params.logprobs)
-            if logprobs is not None and r.params.logprobs is not None
+            if r.params.logprobs is not None
             else None
             for i, r in enumerate(rows)
         ]
-        return SampleResult(token_list, top)
+        return tokens, top
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
-        device = logits.device
-        temperature = torch.tensor(
-            [r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows],
-            device=device,
+        """The rows' draws. Their settings go to the device in one copy that does not wait,
+        and what to apply is decided from the settings on the host: no step waits for the
+        device before its one read of the sampled ids."""
+        vocab = logits.shape[1]
+        settings = upload(
+            torch.tensor(
+                [
+                    [
+                        r.params.temperature if r.params.temperature > 0 else 1.0,
+                        r.params.top_k if r.params.top_k > 0 else vocab,
+                        r.params.top_p,
+                        r.params.min_p,
+                    ]
+                    for r in rows
+                ],
+                dtype=torch.float32,
+                device="cpu",
+            ),
+            logits.device,
         )
-        logits = logits / temperature[:, None]
-        top_k = [r.params.top_k for r in rows]
-        top_p = [r.params.top_p for r in rows]
-        if any(top_k) or any(p < 1.0 for p in top_p):
-            logits = _top_k_top_p(logits, top_k, top_p)
+        logits = logits / settings[:, 0:1]
+        if any(0 < r.params.top_k < vocab or r.params.top_p < 1.0 for r in rows):
+            logits = _top_k_top_p(logits, settings[:, 1], settings[:, 2])
         probs = torch.softmax(logits, dim=-1)
-        min_p = torch.tensor([r.params.min_p for r in rows], device=device)
-        if bool((min_p > 0).any()):
-            threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        if any(r.params.min_p > 0 for r in rows):
+            threshold = probs.max(dim=-1, keepdim=True).values * settings[:, 3:4]
             probs = probs.masked_fill(probs < threshold, 0.0)
 
-        noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(
-                len(unseeded), probs.shape[1], device=device
-            ).exponential_(generator=self.generator)
-        for i, r in enumerate(rows):
-            if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
+        if len(unseeded) == len(rows):
+            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        else:
+            noise = torch.empty_like(probs)
+            if unseeded:
+                noise[upload(torch.tensor(unseeded, device="cpu"), probs.device)] = torch.empty(
+                    len(unseeded), probs.shape[1], device=probs.device
+                ).exponential_(generator=self.generator)
+            for i, r in enumerate(rows):
+                if r.generator is not None:
+                    noise[i].exponential_(generator=r.generator)
         return first_max_index(probs / noise)
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`top_k`: each row's k (the vocabulary for none), `top_p` its p, as float32 tensors."""
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([v if v > 0 else vocab for v in top_k], device=logits.device)
     ranks = torch.arange(vocab, device=logits.device)
-    drop = ranks[None, :] >= k[:, None]
-    p = torch.tensor(top_p, device=logits.device)
+    drop = ranks[None, :] >= top_k[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     # drop a token once the tokens ranked above it already reach top_p (keep at least one)
-    drop |= (probs.cumsum(dim=-1) - probs) >= p[:, None]
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 

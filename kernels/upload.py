@@ -45,16 +45,20 @@ class StepUpload:
 
     def send(self) -> Fetch:
         """Copy everything staged to the device (one copy); returns the view of each input."""
-        host = torch.tensor(self.values, dtype=torch.long, device="cpu")
-        if self.device.type == "cuda":
-            # pinned: the copy runs on the stream while the host goes on; the caching host
-            # allocator keeps the buffer until the copy has finished
-            on_device = host.pin_memory().to(self.device, non_blocking=True)
-        else:
-            on_device = host.to(self.device)
+        on_device = upload(torch.tensor(self.values, dtype=torch.long, device="cpu"), self.device)
 
         def fetch(staged: Staged) -> torch.Tensor:
             size = math.prod(staged.shape)
             return on_device[staged.offset : staged.offset + size].view(staged.shape)
 
         return fetch
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` (a CPU tensor: make it with `device="cpu"`, as the default device may be
+    another) on `device`. To CUDA from pinned memory: the copy runs on the
+    stream while the host goes on, and the caching host allocator keeps the buffer until the
+    copy has finished."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)

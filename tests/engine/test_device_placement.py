@@ -91,9 +91,9 @@ def test_the_fake_device_refuses_a_cpu_tensor_mixed_with_a_cuda_one():
             on_gpu + torch.ones(4, 4, device="cpu")
 
 
-def test_a_greedy_decode_step_copies_to_the_device_once_and_reads_back_once():
-    """Every integer input of the step goes up in one pinned, non-blocking copy; the sampled
-    ids come back in the step's one read."""
+def decode_step_transfers(params: list[SamplingParams], seeded: set[int] = frozenset()):
+    """The host-device copies of one decode step of a fake-CUDA qwen3, one sequence per
+    `params` (those at `seeded` with a generator of their own), its sampling included."""
     from engine.logits_processors import SampleRequest
     from engine.sampler import Sampler
 
@@ -102,12 +102,38 @@ def test_a_greedy_decode_step_copies_to_the_device_once_and_reads_back_once():
         device = torch.device("cuda", 0)
         model = MODEL_REGISTRY[config.architectures[0]](config, 256)
         runner = ModelRunner(model, ShapeOnlyAttention(), 32, BLOCK, device, torch.bfloat16)
+        # a CPU-only torch has no CUDA generator; fake random fills leave tensors as they are
         sampler = Sampler(torch.Generator())
-        seqs = [sequence(list(range(1, 12 + i)), 10 + i, 4 * i) for i in range(3)]
+        seqs = [sequence(list(range(1, 12 + i)), 10 + i, 4 * i) for i in range(len(params))]
         built = transfers.copy()
         result = runner.run([ScheduledSeq(s, 1) for s in seqs], prompt_logprob_seqs=set())
-        rows = [SampleRequest(SamplingParams(temperature=0), None, []) for _ in seqs]
+        rows = [
+            SampleRequest(p, torch.Generator().manual_seed(i) if i in seeded else None, [])
+            for i, p in enumerate(params)
+        ]
         picked = sampler(result.sample_logits, rows)
-        assert len(picked.token_ids) == 3
-        step = transfers - built
+        assert len(picked.token_ids) == len(params)
+        return transfers - built
+
+
+def test_a_greedy_decode_step_copies_to_the_device_once_and_reads_back_once():
+    """Every integer input of the step goes up in one pinned, non-blocking copy; the sampled
+    ids come back in the step's one read."""
+    step = decode_step_transfers([SamplingParams(temperature=0)] * 3)
     assert dict(step) == {"uploads": 1, "downloads": 1}
+
+
+def test_a_sampled_step_uploads_without_blocking_and_reads_back_once():
+    """Greedy rows beside rows with temperature, top-k, top-p, min-p and a seed: the step's
+    inputs, the sampled rows' places and their settings go up in non-blocking copies, nothing
+    waits on the device before the one read of the sampled ids, and every tensor stays on it."""
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9),
+        SamplingParams(temperature=1.0, min_p=0.1),
+        SamplingParams(temperature=0.5),
+    ]
+    step = decode_step_transfers(params, seeded={3})
+    assert step["downloads"] == 1 and step["blocking_uploads"] == 0, dict(step)
+    # the step's inputs; the sampled rows' places, their settings, the unseeded ones' places
+    assert step["uploads"] == 4

@@ -216,3 +216,25 @@ def test_plain_greedy_rows_are_picked_from_logits_in_their_own_dtype(monkeypatch
     biased = sampler(logits, rows(logit_bias={7: 100.0}))
     assert biased.token_ids == want[:5] + [7]
     assert widened == [torch.bfloat16, torch.bfloat16]
+
+
+def test_only_the_sampled_rows_of_a_mixed_step_are_sampled():
+    """One sampled row among greedy ones draws noise for its own row alone (the generator moves
+    as far as for that row sampled by itself) and the greedy rows keep their argmax, with or
+    without logprobs asked for."""
+    from engine.logits_processors import SampleRequest
+    from engine.sampler import Sampler
+
+    logits = torch.randn(64, 700, generator=torch.Generator().manual_seed(2))
+    for extra in ({}, {"logprobs": 1}):
+        mixed = Sampler(torch.Generator().manual_seed(9))
+        alone = Sampler(torch.Generator().manual_seed(9))
+        rows = [SampleRequest(SamplingParams(temperature=0, **extra), None, []) for _ in range(64)]
+        rows[40] = SampleRequest(SamplingParams(temperature=1.0, **extra), None, [])
+        result = mixed(logits, rows)
+        single = alone(logits[40:41], rows[40:41])
+        assert result.token_ids[40] == single.token_ids[0]
+        assert torch.equal(mixed.generator.get_state(), alone.generator.get_state())
+        want = logits.argmax(dim=-1).tolist()
+        assert result.token_ids[:40] + result.token_ids[41:] == want[:40] + want[41:]
+        assert (result.logprobs[0] is not None) == bool(extra)
