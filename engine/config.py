@@ -142,6 +142,13 @@ class EngineConfig:
         type=float,
         metavar="SECONDS",
     )
+    prompt_logprobs_memory: int = _option(
+        256 * 2**20,
+        "memory for the logits of one chunk of prompt logprobs: a long prompt's are computed "
+        "this many bytes at a time, e.g. 256MiB (default 256MiB)",
+        type=parse_size,
+        metavar="SIZE",
+    )
     lpm_max_waiting: int = _option(
         128,
         "with more waiting sequences than this, admit in arrival order instead of sorting them "
@@ -160,5 +167,9 @@ class EngineConfig:
             )
         if self.max_waiting_time < 0:
             raise ValueError(f"max_waiting_time must be >= 0 seconds, got {self.max_waiting_time}")
+        if self.prompt_logprobs_memory < 1:
+            raise ValueError(
+                f"prompt_logprobs_memory must be positive, got {self.prompt_logprobs_memory}"
+            )
         if not self.grammar_timeout > 0:
             raise ValueError(f"grammar_timeout must be > 0 seconds, got {self.grammar_timeout}")

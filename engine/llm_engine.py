@@ -110,7 +110,13 @@ class LLMEngine:
         self.structured_outputs = StructuredOutputs(
             self.tokenizer, self.vocab_size, self.eos_token_ids
         )
-        self.prompt_logprobs = PromptLogprobs(self.block_manager, net)
+        self.prompt_logprobs = PromptLogprobs(
+            self.block_manager,
+            net,
+            PromptLogprobs.chunk_rows_for(
+                config.prompt_logprobs_memory, self.vocab_size, self.dtype
+            ),
+        )
         self.requests: dict[str, Request] = {}
         self.generation_tokens = 0
         self.num_steps = 0
@@ -345,7 +351,7 @@ class LLMEngine:
         masks = self.structured_outputs.fill_async([s.matcher for s in completing])
         self.prompt_logprobs.fill_from_cache(scheduled)
         result = self.runner.run(scheduled, self.prompt_logprobs.seqs_to_compute(scheduled))
-        self.prompt_logprobs.record(scheduled, result.prompt_logits)
+        self.prompt_logprobs.record(scheduled, result.prompt_hidden)
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_computed_blocks(item.seq)

@@ -19,7 +19,8 @@ from kernels.upload import StepUpload
 class ForwardResult:
     # [num sequences that complete, vocab], in `scheduled` order, in the model's dtype
     sample_logits: torch.Tensor
-    prompt_logits: dict[int, tuple[int, torch.Tensor]]  # seq_id -> (first position, logits)
+    # seq_id -> (first position, final hidden states of the rows predicting prompt tokens)
+    prompt_hidden: dict[int, tuple[int, torch.Tensor]]
     # seq_id -> (position, final hidden state) at the last position of each full prompt block
     # computed in this step, for the sequences whose prompt logprobs were computed
     prompt_boundaries: dict[int, list[tuple[int, torch.Tensor]]]
@@ -93,15 +94,15 @@ class ModelRunner:
             None if kept_rows is None else fetch(kept_rows),
         )
         sample_logits = self.model.compute_logits(hidden.index_select(0, fetch(sample_rows)))
-        prompt_logits = {
-            seq_id: (first, self.model.compute_logits(hidden[at[a] : at[b - 1] + 1]).float())
+        prompt_hidden = {
+            seq_id: (first, hidden[at[a] : at[b - 1] + 1])
             for seq_id, (first, a, b) in step.prompt_rows.items()
         }
         prompt_boundaries = {
             seq_id: [(p, hidden[at[r]]) for p, r in rows]
             for seq_id, rows in step.boundary_rows.items()
         }
-        return ForwardResult(sample_logits, prompt_logits, prompt_boundaries)
+        return ForwardResult(sample_logits, prompt_hidden, prompt_boundaries)
 
 
 @dataclass

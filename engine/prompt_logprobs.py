@@ -20,6 +20,7 @@ from engine.models import DecoderForCausalLM
 from engine.outputs import TokenLogprobs
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Request, Sequence
+from kernels.upload import upload
 
 
 @dataclass(frozen=True)
@@ -29,15 +30,6 @@ class LogprobEntry:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token, logprob), most likely first
-
-    @classmethod
-    def from_row(cls, row: torch.Tensor, token: int, k: int) -> LogprobEntry:
-        """From a row of log-softmaxed logits."""
-        top: tuple[tuple[int, float], ...] = ()
-        if k > 0:
-            values, ids = row.topk(k)
-            top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-        return cls(token, float(row[token]), top)
 
     def as_dict(self, k: int) -> TokenLogprobs:
         """{token: its logprob} plus the `k` most likely tokens, as the outputs give them."""
@@ -59,9 +51,14 @@ class BlockLogprobs:
 class PromptLogprobs:
     """Computes, records and shares the prompt logprobs of the requests that ask for them."""
 
-    def __init__(self, block_manager: BlockManager, model: DecoderForCausalLM) -> None:
+    def __init__(
+        self, block_manager: BlockManager, model: DecoderForCausalLM, chunk_rows: int
+    ) -> None:
+        """`chunk_rows`: the most prompt positions whose logits are held at once (see
+        `chunk_rows_for`)."""
         self.block_manager = block_manager
         self.model = model
+        self.chunk_rows = chunk_rows
 
     def seqs_to_compute(self, scheduled: list[ScheduledSeq]) -> set[int]:
         """The sequences of this step whose prompt logprobs are not all known yet."""
@@ -86,9 +83,8 @@ class PromptLogprobs:
             for position in range(len(entries), start):
                 entries.append(self._cached(seq, position // size).entries[position % size])
             boundary = self._cached(seq, start // size - 1).boundary
-            row = torch.log_softmax(self.model.compute_logits(boundary[None]).float(), -1)
             k = request.params.prompt_logprobs or 0
-            entries.append(LogprobEntry.from_row(row[0], seq.token_ids[start], k))
+            entries.extend(self.entries(boundary[None], [seq.token_ids[start]], k))
 
     def _cached(self, seq: Sequence, block_index: int) -> BlockLogprobs:
         kept = self.block_manager.blocks[seq.block_table[block_index]].logprobs
@@ -98,23 +94,48 @@ class PromptLogprobs:
     def record(
         self,
         scheduled: list[ScheduledSeq],
-        prompt_logits: dict[int, tuple[int, torch.Tensor]],
+        prompt_hidden: dict[int, tuple[int, torch.Tensor]],
     ) -> None:
-        """After the forward pass: the logprobs of the prompt positions this step predicted."""
+        """After the forward pass: the logprobs of the prompt positions this step predicted
+        (row j of a sequence's hidden states predicts position first + j + 1), those not
+        recorded yet."""
         for item in scheduled:
-            entry = prompt_logits.get(item.seq.seq_id)
+            entry = prompt_hidden.get(item.seq.seq_id)
             if entry is None:
                 continue
-            first, logits = entry
+            first, hidden = entry
             request = item.seq.request
             assert request.prompt_entries is not None
+            skip = len(request.prompt_entries) - (first + 1)  # rows recorded already
+            if skip < 0 or skip >= hidden.shape[0]:
+                continue
+            targets = request.prompt_token_ids[first + 1 + skip : first + 1 + hidden.shape[0]]
             k = request.params.prompt_logprobs or 0
+            request.prompt_entries.extend(self.entries(hidden[skip:], targets, k))
+
+    @torch.inference_mode()
+    def entries(self, hidden: torch.Tensor, targets: list[int], k: int) -> list[LogprobEntry]:
+        """The entries of `hidden`'s rows, row j predicting `targets[j]`, `chunk_rows` rows at
+        a time: a long prompt never holds all its logits at once, and each chunk is read from
+        the device in three copies, not three per position."""
+        found: list[LogprobEntry] = []
+        for start in range(0, len(targets), self.chunk_rows):
+            tokens = targets[start : start + self.chunk_rows]
+            logits = self.model.compute_logits(hidden[start : start + len(tokens)]).float()
             logprobs = torch.log_softmax(logits, dim=-1)
-            for j in range(logits.shape[0]):
-                target = first + j + 1  # the prompt position this row predicts
-                if target == len(request.prompt_entries):
-                    token = request.prompt_token_ids[target]
-                    request.prompt_entries.append(LogprobEntry.from_row(logprobs[j], token, k))
+            del logits
+            at = upload(torch.tensor(tokens, device="cpu"), logprobs.device)
+            chosen = logprobs.gather(1, at[:, None])[:, 0].tolist()
+            if k > 0:
+                values, ids = logprobs.topk(k, dim=-1)
+                tops = [
+                    tuple(zip(i, v, strict=True))
+                    for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+                ]
+            else:
+                tops = [()] * len(tokens)
+            found.extend(map(LogprobEntry, tokens, chosen, tops))
+        return found
 
     def keep(
         self,
@@ -144,6 +165,13 @@ class PromptLogprobs:
                     block.logprobs = BlockLogprobs(
                         k, list(entries[index * size : (index + 1) * size]), hidden.clone()
                     )
+
+    @staticmethod
+    def chunk_rows_for(memory: int, vocab_size: int, dtype: torch.dtype) -> int:
+        """Rows of prompt logits that fit in `memory` bytes: each holds the logits in the
+        model's dtype, widened to float32, and their log-softmax."""
+        per_row = vocab_size * (torch.empty((), dtype=dtype).element_size() + 4 + 4)
+        return max(1, memory // per_row)
 
     @staticmethod
     def output(request: Request) -> list[TokenLogprobs | None] | None:

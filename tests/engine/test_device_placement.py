@@ -9,6 +9,7 @@ from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from engine.model_runner import ModelRunner
 from engine.models import MODEL_REGISTRY
+from engine.prompt_logprobs import PromptLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Request, Sequence
@@ -76,8 +77,11 @@ def test_a_step_runs_on_cuda_with_every_tensor_there(name: str):
         result = runner.run(scheduled, prompt_logprob_seqs={prefill.seq_id})
         assert result.sample_logits.shape == (3, config.vocab_size)
         assert result.sample_logits.device == device
-        first, logits = result.prompt_logits[prefill.seq_id]
-        assert first == 0 and logits.device == device
+        first, hidden = result.prompt_hidden[prefill.seq_id]
+        assert first == 0 and hidden.device == device
+        scorer = PromptLogprobs(None, model, chunk_rows=7)  # 19 rows: chunks of 7, 7 and 5
+        entries = scorer.entries(hidden, list(range(21, 40)), k=2)
+        assert len(entries) == 19 and len(entries[-1].top) == 2
 
 
 def test_the_fake_device_refuses_a_cpu_tensor_mixed_with_a_cuda_one():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, parse_size
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
         ({"max_num_batched_tokens": 0}, "max_num_seqs and max_num_batched_tokens must be positive"),
         ({"admission_policy": "lifo"}, "admission_policy must be 'cache_aware' or 'fcfs'"),
         ({"max_waiting_time": -1}, "max_waiting_time must be >= 0 seconds, got -1"),
+        ({"prompt_logprobs_memory": 0}, "prompt_logprobs_memory must be positive, got 0"),
     ],
 )
 def test_invalid_options_are_refused(options: dict, message: str) -> None:
@@ -37,6 +38,9 @@ def test_help_states_the_defaults() -> None:
         stated = re.search(r"\(default ([^):]+)\)", f.metadata["help"])
         if stated:
             default = f.default
+            if f.metadata.get("type") is parse_size:  # a size reads as it is written: 256MiB
+                assert parse_size(stated.group(1)) == default, f.name
+                continue
             shown = f"{default:g}" if isinstance(default, float) else str(default)
             assert stated.group(1) == shown, f.name
 

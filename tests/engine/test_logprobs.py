@@ -56,3 +56,28 @@ def test_prompt_logprobs_compute_blocks_that_kept_none(checkpoints):
     assert out.num_cached_tokens == 0
     assert all(len(e) == 1 for e in out.prompt_logprobs[1:])
     assert all(e is not None for e in out.prompt_logprobs[1:])
+
+
+def test_prompt_logprobs_are_computed_in_chunks_the_memory_budget_holds(checkpoints):
+    """A budget of a few rows of logits splits a long prompt's positions into chunks of that
+    many rows (never more logits held at once), with the same logprobs as unsplit."""
+    path = checkpoints["llama"]
+    prompt = random_prompts(2, 200, 200, seed=3)[0]
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    whole = LLM(str(path), dtype="float32", device="cpu", enable_prefix_caching=False)
+    want = whole.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+
+    vocab = whole.vocab_size
+    budget = 5 * vocab * (4 + 4 + 4)  # five float32 rows: logits, widened, log-softmax
+    split = LLM(
+        str(path), dtype="float32", device="cpu", enable_prefix_caching=False,
+        prompt_logprobs_memory=budget,
+    )  # fmt: skip
+    scorer = split.prompt_logprobs
+    assert scorer.chunk_rows == 5
+    rows_held = []
+    compute = scorer.model.compute_logits
+    scorer.model.compute_logits = lambda h: rows_held.append(h.shape[0]) or compute(h)
+    got = split.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+    assert rows_held and max(rows_held) == 5 and sum(rows_held) >= len(prompt) - 1
+    assert got == want
