@@ -95,8 +95,8 @@ class EngineConfig:
     )
     gpu_memory_utilization: float = _option(
         0.9,
-        "fraction of GPU memory the engine may use when --kv-cache-memory is not given "
-        "(default 0.9)",
+        "fraction of GPU memory the engine may use when --kv-cache-memory is not given: the "
+        "KV cache gets it less the weights and the largest step, measured at start (default 0.9)",
         type=float,
         metavar="FRACTION",
     )

@@ -26,6 +26,7 @@ from engine.loader import (
     load_tokenizer,
     resolve_model_path,
 )
+from engine.memory_profile import kv_cache_bytes, largest_step, peak_step_bytes
 from engine.model_runner import ModelRunner
 from engine.models import DecoderForCausalLM
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
@@ -36,6 +37,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import Request, Sequence
 from engine.structured_output import StructuredOutputs
 from kernels import get_attention_backend
+from kernels.backend import AttentionBackend
 
 Prompt = str | list[int]
 
@@ -77,7 +79,16 @@ class LLMEngine:
         if self.device.type == "cpu":
             reuse_large_allocations()
         net = self._load_model(model)
-        num_kv_blocks = self._num_kv_blocks(net)
+        backend = get_attention_backend(config.attention_backend, self.device)
+        attn, mlp = net.model.layers[0].self_attn, net.model.layers[0].mlp
+        self.plan = plan_device(
+            self.device, self.dtype, backend.name, elementwise=config.elementwise,
+            hidden=net.model.embed_tokens.weight.shape[1], head_dim=attn.head_dim,
+            intermediate=mlp.down_proj.in_features,
+        )  # fmt: skip
+        log.info("engine plan: %s", self.plan.describe())
+        net.use_elementwise(self.plan.elementwise)
+        num_kv_blocks = self._num_kv_blocks(net, backend)
         self.max_model_len = self._max_model_len(num_kv_blocks)
         self.block_size = config.block_size
 
@@ -92,15 +103,6 @@ class LLMEngine:
             lpm_max_waiting=config.lpm_max_waiting,
             max_waiting_time=config.max_waiting_time,
         )
-        backend = get_attention_backend(config.attention_backend, self.device)
-        attn, mlp = net.model.layers[0].self_attn, net.model.layers[0].mlp
-        self.plan = plan_device(
-            self.device, self.dtype, backend.name, elementwise=config.elementwise,
-            hidden=net.model.embed_tokens.weight.shape[1], head_dim=attn.head_dim,
-            intermediate=mlp.down_proj.in_features,
-        )  # fmt: skip
-        log.info("engine plan: %s", self.plan.describe())
-        net.use_elementwise(self.plan.elementwise)
         self.runner = ModelRunner(
             net, backend, num_kv_blocks, config.block_size, self.device, self.dtype
         )
@@ -141,16 +143,22 @@ class LLMEngine:
             )
         return load_model(path, hf_config, self.dtype, self.device, max_positions)
 
-    def _num_kv_blocks(self, net: DecoderForCausalLM) -> int:
+    def _num_kv_blocks(self, net: DecoderForCausalLM, backend: AttentionBackend) -> int:
         """The configured number of KV cache blocks, else as many as the memory budget holds."""
         c = self.engine_config
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
         per_block = ModelRunner.bytes_per_block(net, c.block_size, self.dtype)
-        num_kv_blocks = self._budget_blocks(c.kv_cache_memory, c.gpu_memory_utilization, per_block)
+        kv_bytes = c.kv_cache_memory
+        if kv_bytes is None and self.device.type == "cuda":
+            kv_bytes = self._gpu_kv_bytes(net, backend)
+        num_kv_blocks = self._budget_blocks(kv_bytes, per_block)
         # never more than max_num_seqs sequences of full length can use
-        longest = c.max_model_len or self.config.max_position_embeddings
-        return min(num_kv_blocks, c.max_num_seqs * -(-longest // c.block_size))
+        return min(num_kv_blocks, c.max_num_seqs * -(-self._longest() // c.block_size))
+
+    def _longest(self) -> int:
+        """The longest sequence asked for: --max-model-len, else the model's positions."""
+        return self.engine_config.max_model_len or self.config.max_position_embeddings
 
     def _max_model_len(self, num_kv_blocks: int) -> int:
         """The configured max_model_len, else the model's, capped by what the KV cache holds."""
@@ -165,15 +173,32 @@ class LLMEngine:
             )
         return max_model_len
 
-    def _budget_blocks(self, kv_bytes: int | None, gpu_util: float, per_block: int) -> int:
+    def _gpu_kv_bytes(self, net: DecoderForCausalLM, backend: AttentionBackend) -> int:
+        """--gpu-memory-utilization of the GPU, less the weights and the largest step."""
+        c = self.engine_config
+
+        def step() -> None:
+            largest_step(
+                net, backend, Sampler(torch.Generator(self.device)),
+                num_tokens=min(c.max_num_batched_tokens, self._longest()), num_rows=c.max_num_seqs,
+                block_size=c.block_size, vocab_size=self.vocab_size, device=self.device,
+                dtype=self.dtype,
+            )  # fmt: skip
+
+        peak = peak_step_bytes(step, self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        kv_bytes = kv_cache_bytes(total, free, c.gpu_memory_utilization, peak)
+        log.info(
+            "GPU memory: %.2f GiB in all, %.2f GiB in use after loading, %.2f GiB for the "
+            "largest step, %.2f GiB for the KV cache",
+            total / 2**30, (total - free) / 2**30, peak / 2**30, kv_bytes / 2**30,
+        )  # fmt: skip
+        return kv_bytes
+
+    def _budget_blocks(self, kv_bytes: int | None, per_block: int) -> int:
         if kv_bytes is None:
-            if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                used = total - free
-                kv_bytes = int(total * gpu_util) - used
-            else:
-                total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-                kv_bytes = min(DEFAULT_CPU_KV_CACHE_BYTES, total // 5)
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            kv_bytes = min(DEFAULT_CPU_KV_CACHE_BYTES, total // 5)
         blocks = kv_bytes // per_block
         if blocks < 1:
             raise ValueError(

@@ -141,3 +141,29 @@ def test_a_sampled_step_uploads_without_blocking_and_reads_back_once():
     assert step["downloads"] == 1 and step["blocking_uploads"] == 0, dict(step)
     # the step's inputs; the sampled rows' places, their settings, the unseeded ones' places
     assert step["uploads"] == 4
+
+
+def test_the_memory_profile_runs_the_largest_step_on_the_device():
+    """Before the KV cache is sized on a GPU: a step of max_num_batched_tokens prompt tokens
+    and the sampling of max_num_seqs rows, every tensor on the device; what it takes at its
+    peak comes off the KV budget."""
+    from engine.memory_profile import kv_cache_bytes, largest_step, peak_step_bytes
+    from engine.sampler import Sampler
+
+    config = CONFIGS["llama-3.x rope"]
+    rows_sampled = []
+    with fake_cuda():
+        device = torch.device("cuda", 0)
+        model = MODEL_REGISTRY[config.architectures[0]](config, 256)
+        logits = model.compute_logits
+        model.compute_logits = lambda h: rows_sampled.append(h.shape[0]) or logits(h)
+        # a CPU-only torch has no CUDA generator; fake random fills leave tensors as they are
+        largest_step(
+            model, ShapeOnlyAttention(), Sampler(torch.Generator()), num_tokens=100, num_rows=48,
+            block_size=BLOCK,
+            vocab_size=config.vocab_size, device=device, dtype=torch.bfloat16,
+        )  # fmt: skip
+    assert rows_sampled == [1]  # the step's one sampled row, widened to 48 for the sampler
+    assert peak_step_bytes(lambda: None, torch.device("cpu")) == 0
+    gib = 2**30
+    assert kv_cache_bytes(80 * gib, 78 * gib, 0.9, 3 * gib) == 67 * gib  # 72 - 2 in use - 3
