@@ -38,6 +38,7 @@ from engine.sequence import Request, Sequence
 from engine.structured_output import StructuredOutputs
 from kernels import get_attention_backend
 from kernels.backend import AttentionBackend
+from kernels.upload import to_device
 
 Prompt = str | list[int]
 
@@ -391,9 +392,9 @@ class LLMEngine:
             seqs, rows = [seqs[i] for i in kept], [rows[i] for i in kept]
         logits = result.sample_logits
         if rows != list(range(len(completing))):
-            logits = logits[torch.tensor(rows, device=logits.device)]
+            logits = logits[to_device(rows, logits.device)]
         if bitmask is not None:
-            bitmask = bitmask[torch.tensor(rows)]
+            bitmask = bitmask[torch.tensor(rows, device=bitmask.device)]
         try:
             sampled = self._sample(seqs, logits, bitmask)
         except Exception as err:
@@ -428,7 +429,7 @@ class LLMEngine:
         logprobs: list[TokenLogprobs | None] = []
         for rows in rows_of.values():
             part = [seqs[i] for i in rows]
-            index = torch.tensor(rows, device=logits.device)
+            index = to_device(rows, logits.device)
             try:
                 own = self._sample(part, logits[index], None if bitmask is None else bitmask[rows])
             except Exception as own_err:
@@ -583,7 +584,7 @@ class LLMEngine:
             if not params.ignore_eos:
                 banned += list(self.eos_token_ids)
         if params.has_penalties and seq.prompt_token_set is None:
-            prompt = torch.tensor(seq.token_ids[: seq.num_prompt_tokens], dtype=torch.long)
+            prompt = torch.tensor(seq.token_ids[: seq.num_prompt_tokens], device="cpu")
             seq.prompt_token_set = prompt.unique()
         return SampleRequest(
             params,

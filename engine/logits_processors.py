@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
+from kernels.upload import to_device
 
 
 @dataclass
@@ -31,7 +32,7 @@ class SampleRequest:
 
     def distinct_prompt_ids(self) -> torch.Tensor:
         if self.prompt_token_set is None:
-            prompt = torch.tensor(self.token_ids[: self.num_prompt_tokens], dtype=torch.long)
+            prompt = torch.tensor(self.token_ids[: self.num_prompt_tokens], device="cpu")
             self.prompt_token_set = prompt.unique()
         return self.prompt_token_set
 
@@ -73,8 +74,8 @@ def _add_at(logits: torch.Tensor, entries: list[tuple[int, int, float]]) -> None
     rows, tokens, values = zip(*entries, strict=True)
     device = logits.device
     logits.index_put_(
-        (torch.tensor(rows, device=device), torch.tensor(tokens, device=device)),
-        torch.tensor(values, dtype=logits.dtype, device=device),
+        (to_device(rows, device), to_device(tokens, device)),
+        to_device(values, device, logits.dtype),
         accumulate=True,
     )
 
@@ -86,7 +87,7 @@ def _apply_allowed(logits: torch.Tensor, rows: list[SampleRequest]) -> None:
         return
     keep = torch.zeros_like(logits, dtype=torch.bool)
     keep[flat_pairs(limited, logits.device)] = True
-    index = torch.tensor([i for i, _ in limited], device=logits.device)
+    index = to_device([i for i, _ in limited], logits.device)
     logits[index] = logits[index].masked_fill(~keep[index], float("-inf"))
 
 
@@ -94,12 +95,9 @@ def flat_pairs(
     lists: list[tuple[int, Seq[int]]], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, column) index tensors of the ids in each (row, ids) pair."""
-    lengths = torch.tensor([len(ids) for _, ids in lists], device=device, dtype=torch.long)
-    row = torch.repeat_interleave(
-        torch.tensor([r for r, _ in lists], device=device, dtype=torch.long), lengths
-    )
+    row = to_device([r for r, ids in lists for _ in ids], device)
     flat = list(itertools.chain.from_iterable(ids for _, ids in lists))
-    return row, torch.tensor(flat, dtype=torch.long, device=device)
+    return row, to_device(flat, device)
 
 
 def unique_pairs(
@@ -119,15 +117,15 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRequest]) -> None:
 
     def per_row(name: str) -> torch.Tensor:
         values = [getattr(r.params, name) for r in rows]
-        return torch.tensor(values, dtype=logits.dtype, device=device)
+        return to_device(values, device, logits.dtype)
 
     output_rows, output_ids = flat_pairs([(i, rows[i].output_token_ids) for i in penalised], device)
     if any(rows[i].params.repetition_penalty != 1.0 for i in penalised):
         # rows with a penalty of 1 are divided or multiplied by 1.0: left exactly as they are
         prompts = [rows[i].distinct_prompt_ids().to(device) for i in penalised]
-        prompt_rows = torch.repeat_interleave(
-            torch.tensor(penalised, device=device),
-            torch.tensor([len(p) for p in prompts], device=device),
+        sizes = [len(p) for p in prompts]
+        prompt_rows = to_device(
+            [i for i, n in zip(penalised, sizes, strict=True) for _ in range(n)], device
         )
         row, token, _ = unique_pairs(
             torch.cat([prompt_rows, output_rows]), torch.cat([*prompts, output_ids]), vocab

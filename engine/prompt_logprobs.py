@@ -20,7 +20,7 @@ from engine.models import DecoderForCausalLM
 from engine.outputs import TokenLogprobs
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Request, Sequence
-from kernels.upload import upload
+from kernels.upload import to_device
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class PromptLogprobs:
             logits = self.model.compute_logits(hidden[start : start + len(tokens)]).float()
             logprobs = torch.log_softmax(logits, dim=-1)
             del logits
-            at = upload(torch.tensor(tokens, device="cpu"), logprobs.device)
+            at = to_device(tokens, logprobs.device)
             chosen = logprobs.gather(1, at[:, None])[:, 0].tolist()
             if k > 0:
                 values, ids = logprobs.topk(k, dim=-1)

@@ -17,7 +17,7 @@ import torch
 from engine.logits_processors import SampleRequest, apply_logits_processors, changes_logits
 from engine.outputs import TokenLogprobs
 from kernels import native_layers
-from kernels.upload import upload
+from kernels.upload import to_device, upload
 
 __all__ = ["SampleRequest", "SampleResult", "Sampler"]
 
@@ -32,7 +32,7 @@ class Sampler:
     def __init__(self, generator: torch.Generator):
         self.generator = generator  # for rows without a seed
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def __call__(
         self,
         logits: torch.Tensor,
@@ -52,7 +52,7 @@ class Sampler:
                 return SampleResult(first_max_index(logits).tolist(), [None] * len(rows))
             if any(plain):
                 rest = [i for i, p in enumerate(plain) if not p]
-                at = upload(torch.tensor(rest, device="cpu"), logits.device)
+                at = to_device(rest, logits.device)
                 tokens = first_max_index(logits)
                 picked, top_rest = self._pick(logits[at], [rows[i] for i in rest], None)
                 tokens[at] = picked
@@ -84,7 +84,7 @@ class Sampler:
         else:
             tokens = first_max_index(logits)
             if sampled:
-                at = upload(torch.tensor(sampled, device="cpu"), logits.device)
+                at = to_device(sampled, logits.device)
                 tokens[at] = self._sample(logits[at], [rows[i] for i in sampled])
 
         if logprobs is None:
@@ -133,7 +133,7 @@ class Sampler:
         else:
             noise = torch.empty_like(probs)
             if unseeded:
-                noise[upload(torch.tensor(unseeded, device="cpu"), probs.device)] = torch.empty(
+                noise[to_device(unseeded, probs.device)] = torch.empty(
                     len(unseeded), probs.shape[1], device=probs.device
                 ).exponential_(generator=self.generator)
             for i, r in enumerate(rows):

@@ -62,3 +62,10 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+def to_device(
+    values: Sequence[int] | Sequence[float], device: torch.device, dtype: torch.dtype = torch.long
+) -> torch.Tensor:
+    """A list as a tensor on `device`, copied as `upload` copies."""
+    return upload(torch.tensor(values, dtype=dtype, device="cpu"), device)

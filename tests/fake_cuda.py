@@ -112,7 +112,7 @@ class _Routing(TorchFunctionMode):
         if func is torch.Tensor.__setitem__:
             target, key, value = args
             if not isinstance(value, torch.Tensor):
-                value = torch.tensor(value, dtype=target.dtype, device=target.device)
+                value = torch.full((), value, dtype=target.dtype, device=target.device)
             key_t = key if isinstance(key, tuple) else (key,)
             if any(isinstance(k, torch.Tensor | list) for k in key_t):
                 indices = [k if isinstance(k, torch.Tensor) else None for k in key_t]

@@ -128,7 +128,8 @@ def test_a_greedy_decode_step_copies_to_the_device_once_and_reads_back_once():
 
 
 def test_a_sampled_step_uploads_without_blocking_and_reads_back_once():
-    """Greedy rows beside rows with temperature, top-k, top-p, min-p and a seed: the step's
+    """Greedy rows beside rows with temperature, top-k, top-p, min-p, a seed, a logit bias or
+    allowed tokens: the step's
     inputs, the sampled rows' places and their settings go up in non-blocking copies, nothing
     waits on the device before the one read of the sampled ids, and every tensor stays on it."""
     params = [
@@ -141,6 +142,12 @@ def test_a_sampled_step_uploads_without_blocking_and_reads_back_once():
     assert step["downloads"] == 1 and step["blocking_uploads"] == 0, dict(step)
     # the step's inputs; the sampled rows' places, their settings, the unseeded ones' places
     assert step["uploads"] == 4
+    adjusted = [
+        SamplingParams(temperature=0, logit_bias={5: 3.0}),
+        SamplingParams(temperature=0.8, allowed_token_ids=[1, 2, 9]),
+    ]
+    step = decode_step_transfers(adjusted)
+    assert step["downloads"] == 1 and step["blocking_uploads"] == 0, dict(step)
 
 
 def test_the_memory_profile_runs_the_largest_step_on_the_device():
