@@ -268,9 +268,15 @@ class LLMEngine:
     def warm_up(self) -> None:
         """Compile what compiles (on a CPU: the decode attention, norms and rope) before the
         first request: a throwaway request's prefill and a few decode steps; and on a CPU,
-        build the projections' kernels for every decode batch size."""
+        build the projections' kernels for every decode batch size; on a GPU, compile every
+        variant of the attention kernels a step can meet."""
         if self.device.type == "cpu":
             self.runner.model.warm_up_products(self.engine_config.max_num_seqs)
+        warm_kernels = getattr(self.runner.backend, "warm_up", None)
+        if warm_kernels is not None:
+            started = time.perf_counter()
+            warm_kernels(self.runner.kv_caches, self.runner.model.num_heads, self.max_model_len)
+            log.info("attention kernels compiled in %.1f s", time.perf_counter() - started)
         request_id = "__warm_up__"
         counters = dataclasses.replace(self.scheduler.counters)
         generated, steps = self.generation_tokens, self.num_steps

@@ -15,6 +15,12 @@ class TritonPagedAttention:
 
         self.kernels = triton_paged
 
+    def warm_up(self, kv_caches, heads: int, max_context_len: int) -> None:
+        """Compile the kernels' variants before traffic (the caches of every layer share a
+        shape, so the first layer's compiles them all)."""
+        k_cache, v_cache = kv_caches[0]
+        self.kernels.warm_up(k_cache, v_cache, heads, max_context_len)
+
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):  # noqa: D102
         tk = self.kernels
         tk.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)

@@ -237,6 +237,34 @@ def choose_num_splits(batch: int, kv_heads: int, max_context_len: int, num_sms: 
     return max(1, min(by_length, wanted, 64))
 
 
+def split_counts_to_warm(most: int) -> list[int]:
+    """One split count per compiled variant of the decode kernels that a step choosing at most
+    `most` splits can meet: the merge kernel is compiled per power of two of the count
+    (`S_P2`), and Triton specialises an integer argument equal to 1 or divisible by 16."""
+    first: dict[tuple[int, bool, bool], int] = {}
+    for n in range(1, most + 1):
+        first.setdefault((_p2(n), n == 1, n % 16 == 0), n)
+    return sorted(first.values())
+
+
+def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, max_context_len: int) -> None:
+    """Compile now every variant the decode and prefill kernels can meet with this cache,
+    instead of in the middle of live traffic: each split count of `split_counts_to_warm` and
+    block-table widths that are and are not a multiple of 16 (a specialised stride). One query
+    over the cache's first block each; the outputs are thrown away."""
+    device, dtype = k_cache.device, k_cache.dtype
+    head_dim = k_cache.shape[3]
+    most = choose_num_splits(1, 1, max_context_len, _num_sms(device))
+    query = torch.zeros((1, heads, head_dim), dtype=dtype, device=device)
+    one = torch.ones(1, dtype=torch.long, device=device)
+    starts = torch.tensor([0, 1], dtype=torch.long, device=device)
+    for width in (1, 16):
+        tables = torch.zeros((1, width), dtype=torch.long, device=device)
+        for splits in split_counts_to_warm(most):
+            paged_decode_attention(query, k_cache, v_cache, tables, one, 1.0, num_splits=splits)
+        paged_prefill_attention(query, k_cache, v_cache, tables, starts, one, 1.0, max_query_len=1)
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [B, heads, head_dim]
     k_cache: torch.Tensor,
@@ -400,6 +428,8 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 __all__ = [
     "choose_num_splits",
+    "split_counts_to_warm",
+    "warm_up",
     "paged_decode_attention",
     "paged_prefill_attention",
     "store_kv",

@@ -159,7 +159,8 @@ class DecoderForCausalLM(nn.Module):
         self.packed_lm_head: PrepackedLinear | None = None  # set by `prepack`
         attn = self.model.layers[0].self_attn
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
+        self.head_dim = attn.head_dim
 
     def forward(
         self,

@@ -133,6 +133,58 @@ def test_choose_num_splits():
     assert tk.choose_num_splits(batch=1, kv_heads=1, max_context_len=100, num_sms=132) == 1
 
 
+def test_warm_up_split_counts_cover_every_compiled_variant():
+    """Every split count a step can choose compiles as the same variant (merge width, and
+    the 1 / multiple-of-16 specialisations) as one that warm-up runs."""
+    for most in (1, 7, 64):
+        warmed = tk.split_counts_to_warm(most)
+        assert max(warmed) <= most
+
+        def variant(n: int) -> tuple[int, bool, bool]:
+            return (tk._p2(n), n == 1, n % 16 == 0)
+
+        assert {variant(n) for n in range(1, most + 1)} == {variant(n) for n in warmed}
+    assert tk.split_counts_to_warm(64) == [1, 2, 3, 5, 9, 16, 17, 32, 33, 48]
+
+
+def test_warm_up_runs_each_variant_over_both_table_widths(monkeypatch):
+    """Decode at each split count and prefill, with block tables of 1 and 16 columns."""
+    rng = random.Random(3)
+    k_cache, v_cache, _ = random_cache(rng, [40], 2, 64, 16, torch.bfloat16)
+    decoded, prefilled = [], []
+    decode, prefill = tk.paged_decode_attention, tk.paged_prefill_attention
+
+    def spy_decode(q, kc, vc, tables, lens, scale, **kw):
+        decoded.append((kw["num_splits"], tables.shape[1]))
+        out = decode(q, kc, vc, tables, lens, scale, **kw)
+        assert not torch.isnan(out).any()
+        return out
+
+    def spy_prefill(q, kc, vc, tables, *args, **kw):
+        prefilled.append(tables.shape[1])
+        return prefill(q, kc, vc, tables, *args, **kw)
+
+    monkeypatch.setattr(tk, "paged_decode_attention", spy_decode)
+    monkeypatch.setattr(tk, "paged_prefill_attention", spy_prefill)
+    tk.warm_up(k_cache, v_cache, heads=4, max_context_len=4096)
+    most = tk.choose_num_splits(1, 1, 4096, tk._num_sms(k_cache.device))
+    counts = tk.split_counts_to_warm(most)
+    assert sorted(decoded) == sorted((n, w) for n in counts for w in (1, 16))
+    assert sorted(prefilled) == [1, 16]
+
+
+def test_the_engine_warm_up_compiles_the_attention_variants(checkpoints, monkeypatch):
+    from engine import LLM
+
+    calls = []
+    monkeypatch.setattr(
+        tk, "warm_up", lambda kc, vc, heads, longest: calls.append((heads, longest))
+    )
+    llm = LLM(str(checkpoints["qwen3"]), device=DEVICE, attention_backend="triton", dtype="float32")
+    llm.warm_up()
+    assert calls == [(llm.runner.model.num_heads, llm.max_model_len)]
+
+
 def reference_prefill(q, k_cache, v_cache, tables, query_start, contexts, scale):
     out = torch.zeros(q.shape, dtype=torch.float64)
     group = q.shape[1] // k_cache.shape[1]
