@@ -224,14 +224,16 @@ class Throughput(BaseModel):
 
 class EnginePlan(BaseModel):
     """How a worker's engine runs each piece on its device, chosen once at start (see the
-    engine's `device_plan`): attention, elementwise (norms, rope, activation), projections;
-    `reasons` says why a piece is not the fastest kind."""
+    engine's `device_plan`): attention, elementwise (norms, rope, activation), projections,
+    CUDA graphs for decode steps (`off (why)` when not); `reasons` says why a piece is not the
+    fastest kind."""
 
     device: str
     capability: str
     attention: str
     elementwise: str
     projections: str
+    graphs: str = "none"
     reasons: dict[str, str] = {}
 
 

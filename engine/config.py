@@ -113,6 +113,11 @@ class EngineConfig:
         "do not share KV cache blocks between requests with a common prefix",
         off_switch="--no-prefix-caching",
     )
+    cuda_graphs: bool = _option(
+        True,
+        "run every step eagerly, without the CUDA graphs a GPU worker records for decode steps",
+        off_switch="--enforce-eager",
+    )
     seed: int = _option(0, "engine random seed (default 0)", type=int)
     admission_policy: str = _option(
         "cache_aware",

@@ -35,11 +35,14 @@ class DevicePlan:
     attention: str  # a kernels.selector backend name
     elementwise: str  # native, compiled or eager
     projections: str  # onednn or plain
+    # CUDA graphs for decode steps: "none" on a CPU, else what was recorded or "off (why)",
+    # set after warm-up
+    graphs: str = "none"
     reasons: dict[str, str] = field(default_factory=dict)  # piece -> why it is not the fastest
 
     def describe(self) -> str:
         pieces = [f"attention {self.attention}", f"elementwise {self.elementwise}",
-                  f"projections {self.projections}"]  # fmt: skip
+                  f"projections {self.projections}", f"graphs {self.graphs}"]  # fmt: skip
         text = f"{self.device} ({self.capability}): " + ", ".join(pieces)
         if self.reasons:
             text += "; " + "; ".join(f"{k}: {v}" for k, v in self.reasons.items())
@@ -83,7 +86,7 @@ def plan_device(
         if device.type == "cpu":
             reasons["projections"] = f"oneDNN does not run {_name(dtype)} on this CPU"
     return DevicePlan(str(device), _capability(device), attention, elementwise, projections,
-                      reasons)  # fmt: skip
+                      reasons=reasons)  # fmt: skip
 
 
 def _fastest_elementwise(

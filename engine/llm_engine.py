@@ -15,6 +15,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cpu_memory import reuse_large_allocations
+from engine.cuda_graphs import cuda_capture
 from engine.device_plan import plan_device
 from engine.dtypes import resolve_dtype
 from engine.errors import PROMPT, ContextLengthError, InvalidRequestError, RequestFailure
@@ -277,6 +278,8 @@ class LLMEngine:
             started = time.perf_counter()
             warm_kernels(self.runner.kv_caches, self.runner.model.num_heads, self.max_model_len)
             log.info("attention kernels compiled in %.1f s", time.perf_counter() - started)
+        if self.device.type == "cuda":
+            self._record_graphs()
         request_id = "__warm_up__"
         counters = dataclasses.replace(self.scheduler.counters)
         generated, steps = self.generation_tokens, self.num_steps
@@ -288,6 +291,30 @@ class LLMEngine:
         # it was nobody's work: the engine's counters (and so its metrics) leave it out
         self.scheduler.counters = counters
         self.generation_tokens, self.num_steps = generated, steps
+
+    def _record_graphs(self) -> None:
+        """CUDA graphs for decode steps unless --enforce-eager; off, with the reason logged,
+        when recording fails or a replay does not match the eager step."""
+        if not self.engine_config.cuda_graphs:
+            self.plan = dataclasses.replace(self.plan, graphs="off (--enforce-eager)")
+            log.info("CUDA graphs: off (--enforce-eager)")
+            return
+        started = time.perf_counter()
+        reason = self.runner.record_graphs(
+            self.engine_config.max_num_seqs, self.max_model_len, cuda_capture(self.device)
+        )
+        if reason is None:
+            sizes = sorted(self.runner.graphs.replays)
+            self.plan = dataclasses.replace(
+                self.plan, graphs=f"decode, batch sizes up to {sizes[-1]}"
+            )
+            log.info(
+                "CUDA graphs: recorded for decode batch sizes %s in %.1f s and checked against "
+                "the eager step", sizes, time.perf_counter() - started,
+            )  # fmt: skip
+        else:
+            self.plan = dataclasses.replace(self.plan, graphs=f"off ({reason})")
+            log.warning("CUDA graphs: off, every step runs eagerly: %s", reason)
 
     def _check_against_model(self, params: SamplingParams) -> None:
         """What `SamplingParams` cannot check alone: token ids within this model's vocabulary,

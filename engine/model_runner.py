@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.cuda_graphs import Capture, DecodeGraphs, buckets_for
 from engine.models import DecoderForCausalLM
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
@@ -38,8 +39,10 @@ class ModelRunner:
     ):
         self.model = model
         self.backend = backend
+        self.graphs: DecodeGraphs | None = None  # recorded decode steps (CUDA), see record_graphs
         self.block_size = block_size
         self.device = device
+        self.dtype = dtype
         # shared prefixes read once per step for all their sequences (the CPU backends)
         self.cascade = getattr(backend, "cascade", False) and device.type == "cpu"
         shape = (num_blocks, model.num_kv_heads, block_size, model.head_dim)
@@ -50,6 +53,53 @@ class ModelRunner:
             )
             for _ in range(model.num_layers)
         ]
+
+    def forward_decode(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The final hidden states of every row of a decode step, eagerly."""
+        return self.model(input_ids, positions, self.kv_caches, meta, self.backend, None)
+
+    def record_graphs(self, max_num_seqs: int, max_model_len: int, capture: Capture) -> str | None:
+        """Record decode graphs and check one replay against the eager step; None when they
+        are on, else why they are off."""
+        self.graphs = None
+        max_blocks = -(-max_model_len // self.block_size)
+        try:
+            graphs = DecodeGraphs.record(
+                self.forward_decode, buckets_for(max_num_seqs), max_blocks, max_model_len,
+                self.device, capture,
+            )  # fmt: skip
+            mismatch = self._check_graphs(graphs)
+        except Exception as err:  # noqa: BLE001 - any failure means no graphs, said why
+            return f"capture failed: {type(err).__name__}: {err}"
+        if mismatch is not None:
+            return mismatch
+        self.graphs = graphs
+        return None
+
+    @torch.inference_mode()
+    def _check_graphs(self, graphs: DecodeGraphs) -> str | None:
+        """One decode step of up to 3 sequences (padded to its bucket) replayed and run
+        eagerly on the same inputs: None when they agree."""
+        n = min(3, graphs.max_batch, len(self.kv_caches[0][0]))
+        bs = self.block_size
+        positions = [bs - 1, bs // 2, 0][:n]
+        tables = BatchTables([[i] for i in range(n)], [p + 1 for p in positions], [], [], [0])
+        slots = [i * bs + p for i, p in enumerate(positions)]
+        upload = StepUpload(self.device)
+        staged = [upload.add(v) for v in (slots, [1 + i for i in range(n)], positions)]
+        finish = AttentionMetadata.stage(tables, upload)
+        fetch = upload.send()
+        slot_mapping, ids, pos = (fetch(x) for x in staged)
+        meta = finish(slot_mapping, fetch)
+        eager = self.forward_decode(ids, pos, meta).float()
+        replayed = graphs.run(ids, pos, meta).float()
+        tolerance = 1e-3 if self.dtype == torch.float32 else 3e-2
+        if not torch.allclose(replayed, eager, rtol=tolerance, atol=tolerance):
+            worst = float((replayed - eager).abs().max())
+            return f"a replayed decode step differs from the eager one (by up to {worst:.3g})"
+        return None
 
     @staticmethod
     def bytes_per_block(model: DecoderForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -85,14 +135,24 @@ class ModelRunner:
         meta = finish_meta(slot_mapping, fetch)
         if self.cascade:
             meta.cascade = plan_cascade(slot_mapping, step.tables, self.block_size, dev)
-        hidden = self.model(
-            fetch(input_ids),
-            fetch(positions),
-            self.kv_caches,
-            meta,
-            self.backend,
-            None if kept_rows is None else fetch(kept_rows),
-        )
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and kept_rows is None
+            and meta.num_prefills == 0
+            and meta.cascade is None
+            and graphs.covers(meta.num_decode_tokens)
+        ):
+            hidden = graphs.run(fetch(input_ids), fetch(positions), meta)
+        else:
+            hidden = self.model(
+                fetch(input_ids),
+                fetch(positions),
+                self.kv_caches,
+                meta,
+                self.backend,
+                None if kept_rows is None else fetch(kept_rows),
+            )
         sample_logits = self.model.compute_logits(hidden.index_select(0, fetch(sample_rows)))
         prompt_hidden = {
             seq_id: (first, hidden[at[a] : at[b - 1] + 1])
