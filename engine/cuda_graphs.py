@@ -101,11 +101,13 @@ class StaticInputs:
     ) -> None:
         """Copy a decode step's inputs into the first rows (device to device) and pad the rows
         up to `bucket` so that they write nothing and read nothing."""
-        n, width = input_ids.shape[0], meta.decode_block_tables.shape[1]
+        n = input_ids.shape[0]
+        # a table may hold a block reserved beyond max_model_len's; no query reads it
+        width = min(meta.decode_block_tables.shape[1], self.tables.shape[1])
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slots[:n].copy_(meta.slot_mapping)
-        self.tables[:n, :width].copy_(meta.decode_block_tables)
+        self.tables[:n, :width].copy_(meta.decode_block_tables[:, :width])
         self.context_lens[:n].copy_(meta.decode_context_lens)
         self.input_ids[n:bucket].zero_()
         self.positions[n:bucket].zero_()
