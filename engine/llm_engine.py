@@ -39,7 +39,7 @@ from engine.sequence import Request, Sequence
 from engine.structured_output import StructuredOutputs
 from kernels import get_attention_backend
 from kernels.backend import AttentionBackend
-from kernels.upload import to_device
+from kernels.upload import to_device, upload
 
 Prompt = str | list[int]
 
@@ -617,8 +617,9 @@ class LLMEngine:
             if not params.ignore_eos:
                 banned += list(self.eos_token_ids)
         if params.has_penalties and seq.prompt_token_set is None:
+            # on the device once per sequence, not copied there at every step
             prompt = torch.tensor(seq.token_ids[: seq.num_prompt_tokens], device="cpu")
-            seq.prompt_token_set = prompt.unique()
+            seq.prompt_token_set = upload(prompt.unique(), self.device)
         return SampleRequest(
             params,
             seq.generator,
