@@ -7,10 +7,12 @@ feeds the one engine. `run_shard` is the task body.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections import Counter
@@ -59,6 +61,7 @@ from worker.online import OnlineServer
 from worker.writer import PendingResults, ResultWriter, WriteItem
 
 log = logging.getLogger(__name__)
+SLOW_SHUTDOWN_SECONDS = 20.0  # after SIGTERM: then the log gets every thread's stack
 
 # batch work runs behind online requests (priority 0) in the engine
 BATCH_PRIORITY = 1
@@ -281,6 +284,18 @@ class WorkerRuntime:
         timer = threading.Timer(timeout, self.handing_back.set)
         timer.daemon = True
         timer.start()
+        slow = threading.Timer(SLOW_SHUTDOWN_SECONDS, self._report_slow_shutdown)
+        slow.daemon = True
+        slow.start()
+
+    def _report_slow_shutdown(self) -> None:
+        """Still here long after SIGTERM: say what every thread is doing, once, so that a
+        shutdown that hangs shows where."""
+        log.warning(
+            "still shutting down %.0f s after the signal (%d shards running); thread stacks "
+            "follow on stderr", SLOW_SHUTDOWN_SECONDS, self._shard_runs,
+        )  # fmt: skip
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
     def run_shard(self, shard_id: int) -> str:
         with log_context(shard_id=shard_id, worker=self.name):

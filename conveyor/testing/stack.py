@@ -142,7 +142,13 @@ class Stack:
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.workers[name]
         os.killpg(proc.pid, sig)
-        proc.wait(30)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"worker {name} did not exit within 30 s of signal {sig}; its log ends:\n"
+                + self.log_tail(name, 120)
+            ) from None
 
     def stop(self, grace: float = 15) -> None:
         """SIGTERM every process group, then SIGKILL what is still there after `grace` s."""

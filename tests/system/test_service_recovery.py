@@ -45,6 +45,21 @@ def worker_stats(stack: Stack, name: str) -> dict:
     return raw if isinstance(raw, dict) else json.loads(raw)
 
 
+def running_shards(stack: Stack, batch_id: str, worker: str) -> int:
+    engine = ledger(stack)
+    try:
+        with engine.connect() as conn:
+            return conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM shards WHERE batch_id = :b AND worker = :w "
+                    "AND status = 'running'"
+                ),
+                {"b": batch_id, "w": worker},
+            ).scalar_one()
+    finally:
+        engine.dispose()
+
+
 def wait_results(stack: Stack, batch_id: str, at_least: int, timeout: float = 120) -> int:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -121,7 +136,12 @@ def test_worker_sigkill_mid_batch(stack: Stack, chat_model: Path, tmp_path: Path
     lines = batch_lines(120, max_tokens=32)
     batch = submit(api, write_jsonl(tmp_path / "in.jsonl", lines))
     wait_results(stack, batch["id"], 10)
+    deadline = time.time() + 60
+    while running_shards(stack, batch["id"], "w1") == 0:  # killed mid-shard, not between
+        assert time.time() < deadline, "w1 ran no shard for 60 s"
+        time.sleep(0.05)
     stack.kill("w1")
+    running = running_shards(stack, batch["id"], "w1")  # what it had claimed and not finished
     partial = result_count(stack, batch["id"])
     assert partial < 120, "the batch finished before the kill; make it longer"
     stack.start_worker("w2", chat_model, "--concurrency", "4")
@@ -143,7 +163,7 @@ def test_worker_sigkill_mid_batch(stack: Stack, chat_model: Path, tmp_path: Path
         ).scalar_one()
     engine.dispose()
     assert set(workers) == {"w1", "w2"} and workers["w1"] == partial
-    assert retried > 0  # shards w1 was running when it died ran again on w2
+    assert retried >= running  # shards w1 was running when it died ran again on w2
 
 
 def test_redis_flushall_mid_batch(stack: Stack, chat_model: Path, tmp_path: Path):
