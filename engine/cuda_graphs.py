@@ -148,6 +148,7 @@ class DecodeGraphs:
     def covers(self, batch: int) -> bool:
         return 0 < batch <= self.max_batch
 
+    @torch.inference_mode()
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:

@@ -60,6 +60,7 @@ class ModelRunner:
         """The final hidden states of every row of a decode step, eagerly."""
         return self.model(input_ids, positions, self.kv_caches, meta, self.backend, None)
 
+    @torch.inference_mode()
     def record_graphs(self, max_num_seqs: int, max_model_len: int, capture: Capture) -> str | None:
         """Record decode graphs and check one replay against the eager step; None when they
         are on, else why they are off."""
