@@ -13,7 +13,7 @@ from engine.sequence import Sequence
 from kernels import AttentionBackend, AttentionMetadata
 from kernels.cascade import plan_cascade
 from kernels.metadata import BatchTables
-from kernels.upload import StepUpload
+from kernels.upload import StepUpload, to_device
 
 
 @dataclass
@@ -87,13 +87,9 @@ class ModelRunner:
         bs = self.block_size
         positions = [bs - 1, bs // 2, 0][:n]
         tables = BatchTables([[i] for i in range(n)], [p + 1 for p in positions], [], [], [0])
-        slots = [i * bs + p for i, p in enumerate(positions)]
-        upload = StepUpload(self.device)
-        staged = [upload.add(v) for v in (slots, [1 + i for i in range(n)], positions)]
-        finish = AttentionMetadata.stage(tables, upload)
-        fetch = upload.send()
-        slot_mapping, ids, pos = (fetch(x) for x in staged)
-        meta = finish(slot_mapping, fetch)
+        slots = to_device([i * bs + p for i, p in enumerate(positions)], self.device)
+        meta = AttentionMetadata.build(slots, tables, self.device)
+        ids, pos = to_device(list(range(1, n + 1)), self.device), to_device(positions, self.device)
         eager = self.forward_decode(ids, pos, meta).float()
         replayed = graphs.run(ids, pos, meta).float()
         tolerance = 1e-3 if self.dtype == torch.float32 else 3e-2
