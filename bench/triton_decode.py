@@ -7,11 +7,16 @@ device-to-device copy bandwidth, and the time of `F.scaled_dot_product_attention
 K/V of the same size. Goal: >= 70% of copy bandwidth at batch 64 x 2048.
 
     python bench/triton_decode.py
+    python bench/triton_decode.py --sweep   # the kernel's tile and launch settings, each timed
 
 On a machine without a CUDA GPU it says so and exits 0. The last line is one JSON object.
 """
 
 from __future__ import annotations
+
+import itertools
+import json
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -141,5 +146,43 @@ def main() -> dict:
     return result
 
 
+# the sweep: the headline case and a decode step of the engine's own check (batch 256 at ~512)
+SWEEP_CASES = [(64, 2048), (256, 512)]
+SWEEP = {"DECODE_BLOCK_N": (32, 64, 128), "DECODE_NUM_WARPS": (4, 8),
+         "DECODE_NUM_STAGES": (2, 3, 4)}  # fmt: skip
+
+
+def sweep() -> dict:
+    """Each setting of the decode kernel's tile and launch (`SWEEP`) timed on `SWEEP_CASES`:
+    one JSON line each, then the best by the headline case."""
+    from kernels import triton_paged
+
+    if not torch.cuda.is_available():
+        print("no CUDA GPU on this machine: nothing to sweep")
+        return {"skipped": "no CUDA GPU"}
+    device = torch.device("cuda")
+    copy_bw = copy_bandwidth(device)
+    defaults = {name: getattr(triton_paged, name) for name in SWEEP}
+    rows = []
+    try:
+        for values in itertools.product(*SWEEP.values()):
+            setting = dict(zip(SWEEP, values, strict=True))
+            for name, value in setting.items():
+                setattr(triton_paged, name, value)
+            shares = {f"{b}x{c}": round(run_case(b, c, device, torch.bfloat16)["paged_bw"]
+                                        / copy_bw, 3) for b, c in SWEEP_CASES}  # fmt: skip
+            rows.append({**setting, "share_of_copy": shares})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        for name, value in defaults.items():
+            setattr(triton_paged, name, value)
+    headline = f"{SWEEP_CASES[0][0]}x{SWEEP_CASES[0][1]}"
+    best = max(rows, key=lambda r: r["share_of_copy"][headline])
+    result = {"device": torch.cuda.get_device_name(device), "copy_GBps": copy_bw / 1e9,
+              "defaults": defaults, "best": best}  # fmt: skip
+    print_result(result)
+    return result
+
+
 if __name__ == "__main__":
-    main()
+    sweep() if "--sweep" in sys.argv[1:] else main()

@@ -136,9 +136,10 @@ class EngineConfig:
     )
     elementwise: str = _option(
         "auto",
-        "how norms, rope and the activation run: auto (the fastest this device runs), native "
-        "(bfloat16 on AVX512-BF16 CPUs), compiled (inductor, on a CPU) or eager (default auto)",
-        choices=("auto", "native", "compiled", "eager"),
+        "how norms, rope and the activation run: auto (the fastest this device runs), triton "
+        "(CUDA), native (bfloat16 on AVX512-BF16 CPUs), compiled (inductor, on a CPU) or eager "
+        "(default auto)",
+        choices=("auto", "triton", "native", "compiled", "eager"),
     )
     grammar_timeout: float = _option(
         10.0,

@@ -5,9 +5,9 @@ implementations of a piece:
 
 - attention: `kernels.selector` (Triton on CUDA; on the CPU the compiled C++ path, or the torch
   reference without a compiler);
-- elementwise (norms, rope, the activation): `kernels.native_layers` in bfloat16 on a CPU with
-  AVX512-BF16, loops compiled by inductor on other CPUs with a compiler, torch's eager ops on
-  CUDA and where nothing can be built;
+- elementwise (norms, rope, the activation): `kernels.triton_layers` on CUDA,
+  `kernels.native_layers` in bfloat16 on a CPU with AVX512-BF16, loops compiled by inductor on
+  other CPUs with a compiler, torch's eager ops where nothing can be built;
 - projections: oneDNN's prepacked weights on the CPU where oneDNN runs the dtype (its bfloat16
   path needs avx512bw/vl/dq or avx_ne_convert), the plain product (cuBLAS, MKL) elsewhere.
 """
@@ -19,13 +19,14 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from engine.models.layers import COMPILED, EAGER, NATIVE, onednn_runs
+from engine.models.layers import COMPILED, EAGER, NATIVE, TRITON, onednn_runs
 from kernels import native_layers
 from kernels.cpu_build import cpu_flags
+from kernels.selector import triton_available
 
 log = logging.getLogger(__name__)
 
-ELEMENTWISE = ("auto", NATIVE, COMPILED, EAGER)
+ELEMENTWISE = ("auto", TRITON, NATIVE, COMPILED, EAGER)
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class DevicePlan:
     device: str
     capability: str  # "cuda sm_90" or the CPU's instruction sets
     attention: str  # a kernels.selector backend name
-    elementwise: str  # native, compiled or eager
+    elementwise: str  # triton, native, compiled or eager
     projections: str  # onednn or plain
     # CUDA graphs for decode steps: "none" on a CPU, else what was recorded or "off (why)",
     # set after warm-up
@@ -79,6 +80,11 @@ def plan_device(
             "elementwise native: the native kernels run bfloat16 on a CPU with AVX512-BF16, for "
             "hidden and intermediate sizes that are multiples of 16 and head sizes of 32"
         )
+    elif elementwise == TRITON and not triton_available(device):
+        raise ValueError(
+            "elementwise triton: the Triton kernels run on CUDA with the triton package "
+            "installed (on a CPU only through Triton's interpreter, TRITON_INTERPRET=1)"
+        )
     if device.type == "cpu" and onednn_runs(dtype):
         projections = "onednn"
     else:
@@ -93,8 +99,10 @@ def _fastest_elementwise(
     device: torch.device, dtype: torch.dtype, hidden: int, head_dim: int, intermediate: int,
     reasons: dict[str, str],
 ) -> str:  # fmt: skip
+    if device.type == "cuda" and triton_available(device):
+        return TRITON
     if device.type != "cpu":
-        reasons["elementwise"] = "no fused kernels for this device yet: torch's ops"
+        reasons["elementwise"] = f"no fused kernels for {device.type} here (Triton): torch's ops"
         return EAGER
     if dtype == torch.bfloat16 and native_layers.covers(hidden, head_dim, intermediate):
         return NATIVE

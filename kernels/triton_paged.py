@@ -10,7 +10,8 @@ reference's layout) and addressed through block tables:
   `block_table[n // block_size]`, row `n % block_size`, keeps an online softmax in fp32 for all
   the query heads of that KV head (GQA) and stores a partial output and its log-sum-exp. Stage 2
   merges the splits by log-sum-exp. The split count grows when few sequences would leave the
-  GPU's SMs idle.
+  GPU's SMs idle; with one split (a big batch) stage 1 writes the output and stage 2 is not
+  launched.
 - `paged_prefill_attention`: the new tokens of each sequence (ragged, by cumulative offsets)
   attend causally to themselves and to the cached prefix, read through the block table: prefix
   caching and chunked prefill need no copies.
@@ -31,6 +32,9 @@ import triton.language as tl
 
 # tokens per tile of the context loop; at least 16 for tl.dot
 DECODE_BLOCK_N = 64
+# the decode kernel's launch: warps per program, and stages of its loads' software pipeline
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 3
 PREFILL_BLOCK_M = 16
 PREFILL_BLOCK_N = 64
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in the merge than it saves
@@ -141,7 +145,7 @@ def _decode_split_kernel(
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     G_P2: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, DIRECT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -181,10 +185,14 @@ def _decode_split_kernel(
     nonempty = l_i > 0
     l_safe = tl.where(nonempty, l_i, 1.0)
     out = acc / l_safe[:, None]
-    lse = tl.where(nonempty, m_i + tl.log(l_safe), float("-inf"))
     part = part_out_ptr + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps
-    tl.store(part + d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
-    tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+    if DIRECT:  # one split: `part_out` is the output itself, nothing to merge
+        tl.store(part + d[None, :], out.to(part_out_ptr.dtype.element_ty),
+                 mask=g_mask[:, None] & d_mask[None, :])  # fmt: skip
+    else:
+        lse = tl.where(nonempty, m_i + tl.log(l_safe), float("-inf"))
+        tl.store(part + d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
 
 
 @triton.jit
@@ -291,10 +299,15 @@ def paged_decode_attention(
             max_context_len = int(context_lens.max())  # a host sync: pass it when known
         num_splits = choose_num_splits(batch, kv_heads, max_context_len, _num_sms(query.device))
     group = heads // kv_heads
-    part_out = torch.empty(
-        (batch, heads, num_splits, head_dim), dtype=torch.float32, device=query.device
-    )
-    part_lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=query.device)
+    direct = num_splits == 1
+    if direct:  # the split kernel writes `out` (as [B, heads, 1, head_dim]); no merge
+        part_out, part_lse = out.unsqueeze(2), out.new_empty((0, 0, 0), dtype=torch.float32)
+    else:
+        part_out = torch.empty(
+            (batch, heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+        )
+        part_lse = torch.empty((batch, heads, num_splits), dtype=torch.float32,
+                               device=query.device)  # fmt: skip
     with on_device(query.device):
         _decode_split_kernel[(batch, kv_heads, num_splits)](
             query, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, scale,
@@ -305,8 +318,11 @@ def paged_decode_attention(
             part_lse.stride(0), part_lse.stride(1),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             G_P2=_p2(group, 16), D_P2=_p2(head_dim, 16), BLOCK_N=DECODE_BLOCK_N,
-            PRECISION=_precision(query.dtype), DOT_FP32=_dot_fp32(query.dtype),
+            PRECISION=_precision(query.dtype), DOT_FP32=_dot_fp32(query.dtype), DIRECT=direct,
+            num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
         )  # fmt: skip
+    if direct:
+        return out
     with on_device(query.device):
         _decode_merge_kernel[(batch, heads)](
             out, part_out, part_lse, num_splits,

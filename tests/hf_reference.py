@@ -51,17 +51,18 @@ def random_prompts(
     """`count` random token-id prompts; the first is `min_len` and the second `max_len` long."""
     g = torch.Generator().manual_seed(seed)
     lengths = [min_len, max_len] + torch.randint(
-        min_len, max_len + 1, (count - 2,), generator=g
+        min_len, max_len + 1, (count - 2,), generator=g, device="cpu"
     ).tolist()
     # avoid the special ids 0..2 so prompts never contain EOS
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+    return [torch.randint(3, vocab, (n,), generator=g, device="cpu").tolist() for n in lengths]
 
 
 def assert_greedy_matches_hf_through(
-    path: Path, attention_backend: str, seed: int, device: str = "cpu"
+    path: Path, attention_backend: str, seed: int, device: str = "cpu", elementwise: str = "auto"
 ) -> None:
-    """The engine's greedy equality with transformers through one attention backend: mixed
-    lengths, long prompts split across steps, and a prompt whose prefix comes from the cache."""
+    """The engine's greedy equality with transformers through one attention backend (and
+    `elementwise` kind): mixed lengths, long prompts split across steps, and a prompt whose
+    prefix comes from the cache."""
     from engine import LLM, SamplingParams
     from kernels.cascade import plan_cascade
 
@@ -74,8 +75,10 @@ def assert_greedy_matches_hf_through(
         block_size=8,
         max_num_batched_tokens=48,
         attention_backend=attention_backend,
+        elementwise=elementwise,
     )
     assert llm.runner.backend.name == attention_backend
+    assert elementwise in ("auto", llm.plan.elementwise)
     params = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, m, out in zip(prompts, max_tokens, outputs, strict=True):

@@ -16,6 +16,7 @@ from engine.models.layers import (
     COMPILED,
     EAGER,
     NATIVE,
+    TRITON,
     Linear,
     PackedLinear,
     PrepackedLinear,
@@ -24,6 +25,7 @@ from engine.models.layers import (
     RotaryEmbedding,
     apply_rope,
     compiled_apply_rope,
+    triton_layers,
 )
 from kernels import AttentionBackend, AttentionMetadata, native_layers
 
@@ -74,14 +76,29 @@ class Attention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.impl == NATIVE:
-            q, k = native_layers.rope(*rope, q, k)
+        if self.impl == TRITON:
+            q, k = self._norm_rope_in_place(rope, q, k)
         else:
-            q, k = (compiled_apply_rope() if self.impl == COMPILED else apply_rope)(rope, q, k)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._rope(rope, q, k)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+    def _rope(self, rope: Rope, q: torch.Tensor, k: torch.Tensor):
+        if self.impl == NATIVE:
+            return native_layers.rope(*rope, q, k)
+        return (compiled_apply_rope() if self.impl == COMPILED else apply_rope)(rope, q, k)
+
+    def _norm_rope_in_place(self, rope: Rope, q: torch.Tensor, k: torch.Tensor):
+        """The q/k norms and rope, one kernel each for q and k, written over the q and k
+        views of the packed projection's output."""
+        fused = triton_layers()
+        if self.qk_norm:
+            q_norm, k_norm = self.q_norm, self.k_norm
+            return (fused.norm_rope_(q, *rope, q_norm.weight, q_norm.eps),
+                    fused.norm_rope_(k, *rope, k_norm.weight, k_norm.eps))  # fmt: skip
+        return fused.norm_rope_(q, *rope), fused.norm_rope_(k, *rope)
 
 
 class MLP(nn.Module):
@@ -94,8 +111,9 @@ class MLP(nn.Module):
         self.impl = EAGER  # how SiLU(gate) * up runs (see `DecoderForCausalLM.use_elementwise`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.impl == NATIVE:
-            return self.down_proj(native_layers.silu_mul(self.gate_up_proj(x)))
+        if self.impl in (NATIVE, TRITON):
+            fused = native_layers if self.impl == NATIVE else triton_layers()
+            return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj.forward_shards(x)
         return self.down_proj(F.silu(gate) * up)
 
@@ -185,13 +203,14 @@ class DecoderForCausalLM(nn.Module):
 
     def use_elementwise(self, impl: str) -> None:
         """Run norms, rope and the activation as `impl` (engine.device_plan chooses): `NATIVE`
-        (kernels.native_layers: all three), `COMPILED` (norms and rope compiled by inductor; its
+        (kernels.native_layers: all three), `TRITON` (kernels.triton_layers: all three, the q/k
+        norms fused with rope), `COMPILED` (norms and rope compiled by inductor; its
         activation was no faster than eager's) or `EAGER`."""
         for module in self.modules():
             if isinstance(module, RMSNorm | Attention):
                 module.impl = impl
             elif isinstance(module, MLP):
-                module.impl = NATIVE if impl == NATIVE else EAGER
+                module.impl = impl if impl in (NATIVE, TRITON) else EAGER
 
     def warm_up_products(self, max_rows: int) -> None:
         """Run each distinct projection (one layer's and the output layer) at every row count

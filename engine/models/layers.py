@@ -14,8 +14,17 @@ from torch import nn
 from kernels import native_layers
 
 # How a module runs its elementwise steps (norms, rope, activation): torch's eager ops, fused
-# loops compiled by inductor, or `kernels.native_layers` (bfloat16, AVX512-BF16 CPUs).
-EAGER, COMPILED, NATIVE = "eager", "compiled", "native"
+# loops compiled by inductor, `kernels.native_layers` (bfloat16, AVX512-BF16 CPUs) or
+# `kernels.triton_layers` (CUDA).
+EAGER, COMPILED, NATIVE, TRITON = "eager", "compiled", "native", "triton"
+
+
+@functools.cache
+def triton_layers():
+    """`kernels.triton_layers`, imported on first use: Triton is installed only for GPUs."""
+    from kernels import triton_layers
+
+    return triton_layers
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -77,9 +86,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The norm of x; with `residual`, (the norm of x + residual, x + residual). The
-        native kernel writes the sum into `residual` itself and returns it."""
-        if self.impl == NATIVE:
-            out = native_layers.rms_norm(x, self.weight, self.eps, residual)
+        native and Triton kernels write the sum into `residual` itself and return it."""
+        if self.impl in (NATIVE, TRITON):
+            fused = native_layers if self.impl == NATIVE else triton_layers()
+            out = fused.rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, residual)
         if residual is None:
             norm = compiled_rms_norm() if self.impl == COMPILED else rms_norm

@@ -57,11 +57,27 @@ def test_what_cannot_run_here_is_refused_or_said(monkeypatch):
 
 def test_on_cuda_every_piece_is_a_cuda_one(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _: (9, 0))
-    plan = plan_device(torch.device("cuda", 0), torch.bfloat16, "triton", **DIMS)
+    cuda = torch.device("cuda", 0)
+    plan = plan_device(cuda, torch.bfloat16, "triton", **DIMS)
     assert (plan.capability, plan.attention, plan.elementwise, plan.projections) == (
-        "cuda sm_90", "triton", "eager", "plain"
+        "cuda sm_90", "triton", "triton", "plain"
     )  # fmt: skip
-    assert "elementwise" in plan.reasons
+    assert plan.reasons == {}
+    monkeypatch.setattr(device_plan, "triton_available", lambda device: False)  # no triton
+    plan = plan_device(cuda, torch.bfloat16, "torch", **DIMS)
+    assert plan.elementwise == "eager" and "Triton" in plan.reasons["elementwise"]
+    with pytest.raises(ValueError, match="elementwise triton"):
+        plan_device(cuda, torch.bfloat16, "torch", elementwise="triton", **DIMS)
+
+
+def test_triton_elementwise_on_a_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        plan_device(CPU, torch.float32, "torch", elementwise="triton", **DIMS)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert plan_device(CPU, torch.float32, "torch", elementwise="triton", **DIMS).elementwise == (
+        "triton"
+    )
 
 
 def test_the_engine_runs_its_plan_and_the_worker_reports_it(checkpoints):

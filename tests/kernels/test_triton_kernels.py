@@ -254,7 +254,11 @@ def test_store_kv_writes_only_its_slots(dtype):
 
 
 def test_engine_greedy_matches_transformers_through_triton(checkpoints):
-    assert_greedy_matches_hf_through(checkpoints["qwen3"], "triton", seed=3, device=DEVICE)
+    """The CUDA path whole: Triton attention and Triton norms, rope (with Qwen3's q/k norms)
+    and activation."""
+    assert_greedy_matches_hf_through(
+        checkpoints["qwen3"], "triton", seed=3, device=DEVICE, elementwise="triton"
+    )
 
 
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):

@@ -9,10 +9,14 @@ import contextlib
 import pytest
 import torch
 
+from kernels import triton_layers as tl_
 from kernels import triton_paged as tk
 from tests.fake_cuda import fake_cuda
 
-KERNELS = ("_store_kv_kernel", "_decode_split_kernel", "_decode_merge_kernel", "_prefill_kernel")
+KERNELS = {
+    tk: ("_store_kv_kernel", "_decode_split_kernel", "_decode_merge_kernel", "_prefill_kernel"),
+    tl_: ("_rms_norm_kernel", "_norm_rope_kernel", "_silu_mul_kernel"),
+}
 
 
 class Recorder:
@@ -40,9 +44,11 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> dict[str, Recorder]:
 
     monkeypatch.setattr(torch.cuda, "device", device)
     monkeypatch.setattr(tk, "_num_sms", lambda _: 132)
-    recorders = {name: Recorder(name, current) for name in KERNELS}
-    for name, recorder in recorders.items():
-        monkeypatch.setattr(tk, name, recorder)
+    recorders = {}
+    for module, names in KERNELS.items():
+        for name in names:
+            recorders[name] = Recorder(name, current)
+            monkeypatch.setattr(module, name, recorders[name])
     return recorders
 
 
@@ -56,13 +62,24 @@ def test_every_launch_has_its_tensors_device_current(launches):
         query = torch.empty(3, 4, 64, device=gpu, dtype=torch.bfloat16)
         tables = torch.empty(3, 4, dtype=torch.long, device=gpu)
         lens = torch.empty(3, dtype=torch.long, device=gpu)
+        # long enough to split (a split kernel and a merge kernel), and too short to (the
+        # split kernel writes the output: no merge)
+        tk.paged_decode_attention(
+            query, k_cache, v_cache, tables, lens, 0.125, max_context_len=3000
+        )
         tk.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125, max_context_len=30)
         starts = torch.empty(4, dtype=torch.long, device=gpu)
         tk.paged_prefill_attention(
             query, k_cache, v_cache, tables, starts, lens, 0.125, max_query_len=2
         )
+        hidden = torch.empty(5, 64, device=gpu, dtype=torch.bfloat16)
+        tl_.rms_norm(hidden, torch.empty(64, device=gpu, dtype=torch.bfloat16), 1e-6)
+        rows = torch.empty(5, 64, device=gpu, dtype=torch.bfloat16)
+        tl_.norm_rope_(key, rows, rows)
+        tl_.silu_mul(torch.empty(5, 128, device=gpu, dtype=torch.bfloat16))
     for name, recorder in launches.items():
-        assert recorder.launches == [gpu], (name, recorder.launches)
+        times = 2 if name == "_decode_split_kernel" else 1
+        assert recorder.launches == [gpu] * times, (name, recorder.launches)
 
 
 def test_the_engine_makes_its_device_current_on_the_thread_that_steps_it(monkeypatch):

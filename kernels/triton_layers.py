@@ -1,0 +1,163 @@
+"""The decoder layer's elementwise steps in Triton, for CUDA: RMSNorm with the residual add
+before it, the per-head q/k norm with rope, and SiLU(gate) * up, one kernel each.
+
+Eager torch runs a layer's norms, rope and activation as ~30 launches (casts, a reduction,
+products, a concatenation for rotate-half); these are 4. In a decode step that is what costs:
+each launch is a few microseconds of GPU time however small the batch, and inside a CUDA graph
+the count of kernels sets the floor of a step.
+
+Results are rounded to the model's dtype where the eager modules (and transformers) round them,
+so they match the eager path up to the order of float32 sums. With `TRITON_INTERPRET=1` they
+run on the CPU, which is how the tests check them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_paged import on_device
+
+
+def _warps(block: int) -> int:
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_r, stride_o, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        total = (x + r).to(dtype)  # the stream is kept in the model's dtype
+        tl.store(res_ptr + row * stride_r + cols, total, mask=mask)
+        x = total.to(tl.float32)
+    var = tl.sum(x * x, axis=0) / n_cols
+    normed = (x * tl.rsqrt(var + eps)).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(dtype), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm of x's rows ([..., dim]); with `residual`, of (x + residual), which is also
+    written back into `residual` (the stream the next layer adds to)."""
+    dim = x.shape[-1]
+    flat = x.reshape(-1, dim)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = flat.shape[0]
+    if rows == 0:
+        return out
+    res = flat if residual is None else residual.view(-1, dim)
+    if residual is not None and (res.shape != flat.shape or res.stride(-1) != 1):
+        raise ValueError("residual must have x's shape with its last dim contiguous")
+    block = triton.next_power_of_2(dim)
+    with on_device(x.device):
+        _rms_norm_kernel[(rows,)](
+            flat, res, weight, out.view(-1, dim), dim,
+            flat.stride(0), res.stride(0), dim, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block),
+        )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _norm_rope_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ct, eps,
+    HEAD_DIM: tl.constexpr, HALF_P2: tl.constexpr, HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    half = HEAD_DIM // 2
+    i = tl.arange(0, HALF_P2)
+    mask = i < half
+    dtype = x_ptr.dtype.element_ty
+    base = x_ptr + t * stride_xt + h * stride_xh
+    x1 = tl.load(base + i, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + half + i, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        var = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM
+        inv = tl.rsqrt(var + eps)
+        w1 = tl.load(w_ptr + i, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + half + i, mask=mask, other=0.0).to(tl.float32)
+        x1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    c1 = tl.load(cos_ptr + t * stride_ct + i, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_ct + half + i, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_ct + i, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_ct + half + i, mask=mask, other=0.0).to(tl.float32)
+    # x * cos + rotate_half(x) * sin, each product rounded as eager rounds it
+    o1 = (x1 * c1).to(dtype).to(tl.float32) + (-x2 * s1).to(dtype).to(tl.float32)
+    o2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
+    tl.store(base + i, o1.to(dtype), mask=mask)
+    tl.store(base + half + i, o2.to(dtype), mask=mask)
+
+
+def norm_rope_(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor:
+    """Rope over x ([T, heads, head_dim], each head's values contiguous) in place, with cos and
+    sin ([T, head_dim] or [T, 1, head_dim], x's dtype); with `weight`, each head RMS-normed
+    first (Qwen3's q/k norm). Returns x."""
+    tokens, heads, head_dim = x.shape
+    if x.stride(2) != 1 or head_dim % 2:
+        raise ValueError("rope needs an even head_dim with each head's values contiguous")
+    cos, sin = cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim)
+    if cos.stride() != sin.stride() or cos.stride(1) != 1 or cos.dtype != x.dtype:
+        raise ValueError("cos and sin must be laid out alike, rows contiguous, in x's dtype")
+    if tokens == 0:
+        return x
+    with on_device(x.device):
+        _norm_rope_kernel[(tokens, heads)](
+            x, x if weight is None else weight, cos, sin, x.stride(0), x.stride(1),
+            cos.stride(0), eps,
+            HEAD_DIM=head_dim, HALF_P2=triton.next_power_of_2(head_dim // 2),
+            HAS_NORM=weight is not None, num_warps=1,  # a head is at most a few hundred values
+        )  # fmt: skip
+    return x
+
+
+SILU_BLOCK = 1024
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_g, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    dtype = out_ptr.dtype.element_ty
+    g = tl.load(gu_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * stride_g + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (act * u).to(dtype), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up, gate and up the two halves of each row of `gate_up`."""
+    width = gate_up.shape[-1]
+    flat = gate_up.reshape(-1, width)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    inter = width // 2
+    out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
+    if flat.shape[0] == 0:
+        return out
+    with on_device(gate_up.device):
+        _silu_mul_kernel[(flat.shape[0], triton.cdiv(inter, SILU_BLOCK))](
+            flat, out.view(-1, inter), inter, flat.stride(0), inter, BLOCK=SILU_BLOCK
+        )
+    return out
