@@ -6,9 +6,9 @@ products, a concatenation for rotate-half); these are 4. In a decode step that i
 each launch is a few microseconds of GPU time however small the batch, and inside a CUDA graph
 the count of kernels sets the floor of a step.
 
-Results are rounded to the model's dtype where the eager modules (and transformers) round them,
-so they match the eager path up to the order of float32 sums. With `TRITON_INTERPRET=1` they
-run on the CPU, which is how the tests check them.
+Results are rounded to the model's dtype where the eager modules (and transformers) round them
+(`_rounded`), so they match the eager path up to the order of float32 sums. With
+`TRITON_INTERPRET=1` they run on the CPU, which is how the tests check them.
 """
 
 from __future__ import annotations
@@ -25,6 +25,20 @@ def _warps(block: int) -> int:
 
 
 @triton.jit
+def _rounded(x, dtype: tl.constexpr):
+    """float32 `x` rounded to `dtype` (to nearest, ties to even), kept in float32. For bfloat16
+    by integer arithmetic: with a plain cast the GPU compiler may fuse a bfloat16 product into
+    the sum that follows (an FMA: one rounding fewer than eager's, a differing last bit in a
+    fifth of rope's outputs), and Triton's interpreter truncates instead of rounding."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_r, stride_o, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
@@ -36,13 +50,12 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        total = (x + r).to(dtype)  # the stream is kept in the model's dtype
-        tl.store(res_ptr + row * stride_r + cols, total, mask=mask)
-        x = total.to(tl.float32)
+        x = _rounded(x + r, dtype)  # the stream is kept in the model's dtype
+        tl.store(res_ptr + row * stride_r + cols, x.to(dtype), mask=mask)
     var = tl.sum(x * x, axis=0) / n_cols
-    normed = (x * tl.rsqrt(var + eps)).to(dtype).to(tl.float32)
+    normed = _rounded(x * tl.rsqrt(var + eps), dtype)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(dtype), mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, _rounded(w * normed, dtype).to(dtype), mask=mask)
 
 
 def rms_norm(
@@ -90,15 +103,15 @@ def _norm_rope_kernel(
         inv = tl.rsqrt(var + eps)
         w1 = tl.load(w_ptr + i, mask=mask, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + half + i, mask=mask, other=0.0).to(tl.float32)
-        x1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        x2 = (w2 * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x1 = _rounded(w1 * _rounded(x1 * inv, dtype), dtype)
+        x2 = _rounded(w2 * _rounded(x2 * inv, dtype), dtype)
     c1 = tl.load(cos_ptr + t * stride_ct + i, mask=mask, other=0.0).to(tl.float32)
     c2 = tl.load(cos_ptr + t * stride_ct + half + i, mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + t * stride_ct + i, mask=mask, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + t * stride_ct + half + i, mask=mask, other=0.0).to(tl.float32)
     # x * cos + rotate_half(x) * sin, each product rounded as eager rounds it
-    o1 = (x1 * c1).to(dtype).to(tl.float32) + (-x2 * s1).to(dtype).to(tl.float32)
-    o2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
+    o1 = _rounded(_rounded(x1 * c1, dtype) + _rounded(-x2 * s1, dtype), dtype)
+    o2 = _rounded(_rounded(x2 * c2, dtype) + _rounded(x1 * s2, dtype), dtype)
     tl.store(base + i, o1.to(dtype), mask=mask)
     tl.store(base + half + i, o2.to(dtype), mask=mask)
 
@@ -142,8 +155,8 @@ def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_g, stride_o, BLOCK: tl.const
     dtype = out_ptr.dtype.element_ty
     g = tl.load(gu_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * stride_g + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (act * u).to(dtype), mask=mask)
+    act = _rounded(g / (1.0 + tl.exp(-g)), dtype)
+    tl.store(out_ptr + row * stride_o + cols, _rounded(act * u, dtype).to(dtype), mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
