@@ -407,7 +407,7 @@ def _decode_rate(plan: Plan, llm, batch: int, vocab: int) -> dict[str, Any]:
 
 def step_profile(plan: Plan, llm, path: Path, vocab: int) -> dict[str, Any]:
     """Kernels launched and host synchronisations per decode step, by torch.profiler, eager and
-    with the decode graphs; for the eager step, where its device time goes."""
+    with the decode graphs."""
     recorded = llm.runner.graphs
     modes = [("eager", None)] + ([("graphs", recorded)] if recorded is not None else [])
     row: dict[str, Any] = {"check": "step_profile", "ok": None,
@@ -415,13 +415,13 @@ def step_profile(plan: Plan, llm, path: Path, vocab: int) -> dict[str, Any]:
     try:
         for mode, graphs in modes:
             llm.runner.graphs = graphs
-            row[mode] = _profile_steps(plan, llm, vocab, top=mode == "eager")
+            row[mode] = _profile_steps(plan, llm, vocab)
     finally:
         llm.runner.graphs = recorded
     return row
 
 
-def _profile_steps(plan: Plan, llm, vocab: int, top: bool) -> dict[str, Any]:
+def _profile_steps(plan: Plan, llm, vocab: int) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     batch = plan.decode_batches[-1]
@@ -440,31 +440,15 @@ def _profile_steps(plan: Plan, llm, vocab: int, top: bool) -> dict[str, Any]:
     while llm.has_unfinished():
         llm.step()
     events = prof.events()
-    on_device = [e for e in events if str(e.device_type).endswith("CUDA")]
-    device_us = sum(_device_us(e) for e in on_device)
-    out: dict[str, Any] = {
-        "kernels_per_step": round(len(on_device) / steps, 1),
+    kernels = sum(str(e.device_type).endswith("CUDA") for e in events)
+    return {
+        "kernels_per_step": round(kernels / steps, 1),
         # the host waiting on the device (a blocking read): our own synchronize after the
         # steps is cudaDeviceSynchronize, which the step itself never calls
         "host_syncs_per_step": round(sum(e.name in SYNC_CALLS for e in events) / steps, 1),
         "async_copies_per_step": round(sum(e.name == "cudaMemcpyAsync" for e in events) / steps, 1),
         "profiled_ms_per_step": round(wall / steps * 1e3, 2),
-        "device_busy_ms_per_step": round(device_us / steps / 1e3, 2),
     }
-    if top:
-        by_name: dict[str, float] = {}
-        for e in on_device:
-            by_name[e.name] = by_name.get(e.name, 0.0) + _device_us(e)
-        out["top_kernels_ms_per_step"] = {
-            name[:80]: round(us / steps / 1e3, 3)
-            for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
-        }
-    return out
-
-
-def _device_us(event) -> float:
-    """A device event's own duration (a kernel's, a copy's)."""
-    return float(event.time_range.elapsed_us())
 
 
 SYNC_CALLS = {"cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
