@@ -163,6 +163,13 @@ class BlockManager:
         A shared block about to be written is first copied (copy-on-write): the copy is queued
         in `pending_copies` for the model runner.
         """
+        table, computed = seq.block_table, seq.num_computed_tokens
+        if (
+            num_new_tokens > 0
+            and computed + num_new_tokens <= len(table) * self.block_size
+            and (self.blocks[table[computed // self.block_size]].ref_count == 1)
+        ):  # most decode steps: the tokens go into blocks it already holds, alone
+            return True
         if not self.can_schedule(seq, num_new_tokens):
             return False
         if self._needs_copy(seq):

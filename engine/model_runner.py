@@ -186,10 +186,15 @@ class StepLayout:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
             row = len(step.input_ids)
-            step.input_ids.extend(seq.token_ids[start : start + n])
-            step.positions.extend(range(start, start + n))
             table = seq.block_table
-            step.slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:  # a decode: the common case, without slices and generators
+                step.input_ids.append(seq.token_ids[start])
+                step.positions.append(start)
+                step.slots.append(table[start // bs] * bs + start % bs)
+            else:
+                step.input_ids.extend(seq.token_ids[start : start + n])
+                step.positions.extend(range(start, start + n))
+                step.slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if n == 1 and not tables.prefill_lens:
                 tables.decode_tables.append(table)
                 tables.decode_lens.append(start + 1)
