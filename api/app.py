@@ -9,17 +9,17 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from api import errors
-from api.deps import AppState
-from api.metrics import api_registry
-from api.routes import batches, files, online, system, ui, workers
-from api.storage import FileStore
-from conveyor import __version__
+from conveyor.api import errors
+from conveyor.api.deps import AppState
+from conveyor.api.metrics import api_registry
+from conveyor.api.routes import batches, files, online, system, ui, workers
+from conveyor.api.storage import FileStore
 from conveyor.dispatch.celery_app import make_celery
 from conveyor.dispatch.online import bus_for
 from conveyor.dispatch.reconciler import ReconcilerLoop
+from conveyor.ledger.db import Ledger
 from conveyor.settings import Settings
-from ledger.db import Ledger
+from conveyor.version import __version__
 
 log = logging.getLogger(__name__)
 

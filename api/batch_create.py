@@ -11,23 +11,23 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api import schemas
-from api.deps import AppState
-from api.errors import APIError
-from api.lookups import get_file
+from conveyor.api import schemas
+from conveyor.api.deps import AppState
+from conveyor.api.errors import APIError
+from conveyor.api.lookups import get_file
 from conveyor.batch_format.errors import IDEMPOTENCY_KEY_REUSED, INVALID_REQUEST, TOO_MANY_BATCHES
 from conveyor.batch_format.validation import Validation, validate
 from conveyor.dispatch.celery_app import send_shards
 from conveyor.dispatch.queues import queue_for
 from conveyor.dispatch.routing import Router, live_workers
+from conveyor.ledger.batch_lifecycle import NewBatch, open_batch
+from conveyor.ledger.ids import new_batch_id
+from conveyor.ledger.locks import lock_project_batches
+from conveyor.ledger.models import BatchRow
+from conveyor.ledger.serving import note_new_batch
+from conveyor.ledger.shard_lifecycle import ShardTask, mark_enqueued
+from conveyor.ledger.states import TERMINAL
 from conveyor.settings import window_seconds
-from ledger.batch_lifecycle import NewBatch, open_batch
-from ledger.ids import new_batch_id
-from ledger.locks import lock_project_batches
-from ledger.models import BatchRow
-from ledger.serving import note_new_batch
-from ledger.shard_lifecycle import ShardTask, mark_enqueued
-from ledger.states import TERMINAL
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ import math
 from sqlalchemy import BigInteger, bindparam, case, cast, func, select
 from sqlalchemy.orm import Session
 
-from api import schemas
-from api.lookups import get_batch
-from ledger.models import ResultRow
+from conveyor.api import schemas
+from conveyor.api.lookups import get_batch
+from conveyor.ledger.models import ResultRow
 
 # error lines read to group them: enough for any batch's picture, bounded for one of 50,000
 MAX_SCANNED = 20_000

@@ -10,12 +10,12 @@ from typing import Any
 from sqlalchemy import Row, bindparam, inspect, select
 from sqlalchemy.orm import Session
 
-from api import schemas
-from api.errors import not_found
-from api.pagination import keyset_page
-from ledger.models import BatchRow
-from ledger.results import counts
-from ledger.states import TERMINAL, BatchStatus
+from conveyor.api import schemas
+from conveyor.api.errors import not_found
+from conveyor.api.pagination import keyset_page
+from conveyor.ledger.models import BatchRow
+from conveyor.ledger.results import counts
+from conveyor.ledger.states import TERMINAL, BatchStatus
 
 # The batch row's columns as a plain select (each labelled with its attribute name, so a
 # result row reads like a BatchRow): the status poll is the API's most frequent call, and a

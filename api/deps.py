@@ -12,10 +12,10 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from api.storage import FileStore
+from conveyor.api.storage import FileStore
 from conveyor.dispatch.online import OnlineBus
+from conveyor.ledger.db import Ledger
 from conveyor.settings import Settings
-from ledger.db import Ledger
 
 
 @dataclass

@@ -20,14 +20,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from api.deps import AppState
-from api.errors import APIError, not_found
-from api.params import ID_CHARS
+from conveyor.api.deps import AppState
+from conveyor.api.errors import APIError, not_found
+from conveyor.api.params import ID_CHARS
 from conveyor.batch_format.errors import INVALID_API_KEY, INVALID_REQUEST, REQUEST_TOO_LARGE
 from conveyor.batch_format.text import unstorable
+from conveyor.ledger.keys import find_key
+from conveyor.ledger.models import DEFAULT_PROJECT
 from conveyor.settings import Settings
-from ledger.keys import find_key
-from ledger.models import DEFAULT_PROJECT
 
 MAX_JSON_DEPTH = 64
 

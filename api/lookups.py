@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from api.errors import not_found
-from ledger.models import BatchRow, FileRow
+from conveyor.api.errors import not_found
+from conveyor.ledger.models import BatchRow, FileRow
 
 
 def get_file(session: Session, file_id: str, project: str) -> FileRow:

@@ -9,10 +9,10 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
-from ledger.db import Ledger
-from ledger.models import BatchRow, ShardRow
-from ledger.serving import unserved_models
-from ledger.states import BatchStatus, ShardStatus
+from conveyor.ledger.db import Ledger
+from conveyor.ledger.models import BatchRow, ShardRow
+from conveyor.ledger.serving import unserved_models
+from conveyor.ledger.states import BatchStatus, ShardStatus
 
 
 class LedgerCollector(Collector):

@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from api.online_limits import too_many_in_flight
+from conveyor.api.online_limits import too_many_in_flight
 from conveyor.dispatch.online import OnlineBus, OnlineMessage
 from conveyor.settings import Settings
 

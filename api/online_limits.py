@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from api.errors import APIError
+from conveyor.api.errors import APIError
 from conveyor.batch_format.errors import INVALID_REQUEST, RATE_LIMIT_EXCEEDED
 from conveyor.batch_format.request_line import OnlineRequest
 from conveyor.dispatch.online import OnlineBus

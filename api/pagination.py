@@ -6,7 +6,7 @@ from __future__ import annotations
 from sqlalchemy import Result, Select, select, tuple_
 from sqlalchemy.orm import Session
 
-from ledger.models import BatchRow, FileRow
+from conveyor.ledger.models import BatchRow, FileRow
 
 
 def keyset_page(

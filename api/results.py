@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.errors import APIError
-from ledger.db import Ledger
-from ledger.models import ResultRow
+from conveyor.api.errors import APIError
+from conveyor.ledger.db import Ledger
+from conveyor.ledger.models import ResultRow
 
 PAGE = 1000
 

@@ -11,9 +11,9 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, field_validator
 
-from api.params import IdText
+from conveyor.api.params import IdText
+from conveyor.ledger.states import BatchStatus
 from conveyor.settings import window_seconds
-from ledger.states import BatchStatus
 
 
 class FileObject(BaseModel):

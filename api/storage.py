@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import BinaryIO
 
-from api.errors import APIError
+from conveyor.api.errors import APIError
 from conveyor.batch_format.errors import FileLimitError
 from conveyor.batch_format.lines import FileLimits, LineCounter
 

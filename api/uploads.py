@@ -13,14 +13,14 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
-from api.errors import APIError
-from api.guard import KeyedRoute
-from api.storage import UploadWriter, too_large
+from conveyor.api.errors import APIError
+from conveyor.api.guard import KeyedRoute
+from conveyor.api.storage import UploadWriter, too_large
 from conveyor.batch_format.errors import EMPTY_FILE, INVALID_REQUEST, UNKNOWN_PARAMETER
 from conveyor.batch_format.lines import file_too_large
 from conveyor.batch_format.text import unstorable
+from conveyor.ledger.models import FileRow
 from conveyor.settings import Settings
-from ledger.models import FileRow
 
 MULTIPART_OVERHEAD = 64 * 1024  # the form around the file: boundaries, part headers, purpose
 PART_HEADER_BYTES = 8 * 1024

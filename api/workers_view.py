@@ -10,9 +10,9 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from api import schemas
-from ledger.models import BatchRow, ShardRow, WorkerRow
-from ledger.states import BatchStatus, ShardStatus
+from conveyor.api import schemas
+from conveyor.ledger.models import BatchRow, ShardRow, WorkerRow
+from conveyor.ledger.states import BatchStatus, ShardStatus
 
 
 def _live(session: Session, heartbeat_timeout: float) -> list[WorkerRow]:

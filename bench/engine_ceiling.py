@@ -42,7 +42,7 @@ from engine_vs_hf import Workload, make_workload, run_hf, time_linear
 from random_llama import BenchModel, ModelShape, add_model_arguments, add_run_arguments, set_up
 from report import print_result, rule, table
 
-from engine import LLM, SamplingParams
+from conveyor.engine import LLM, SamplingParams
 
 GOAL_CEILING = 0.25
 GOAL_VS_HF = 5.0

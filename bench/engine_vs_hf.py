@@ -37,7 +37,7 @@ from random_llama import (
 )
 from report import print_result, rule, table
 
-from engine import LLM, SamplingParams
+from conveyor.engine import LLM, SamplingParams
 
 # ---------------------------------------------------------------------------------------------
 # workload

@@ -44,11 +44,11 @@ import httpx
 from random_llama import BenchModel, add_model_arguments, add_run_arguments, set_up
 from report import print_result, rule, table
 
+from conveyor.engine import LLM, SamplingParams
 from conveyor.settings import normalize_database_url
 from conveyor.testing import Stack, download, service_env, submit_batch, wait_for, write_jsonl
 from conveyor.testing.databases import migrate, random_redis_database, scratch_database
 from conveyor.testing.servers import postgres_server, redis_server
-from engine import LLM, SamplingParams
 
 GOAL_CACHED = 0.90
 GOAL_VS_OFF = 4.0

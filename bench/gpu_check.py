@@ -121,8 +121,8 @@ def check_kernels(plan: Plan) -> dict[str, Any]:
     the float32 torch reference (kernels.torch_paged)."""
     import torch
 
-    from kernels import torch_paged as ref
-    from kernels import triton_paged as tk
+    from conveyor.kernels import torch_paged as ref
+    from conveyor.kernels import triton_paged as tk
 
     rng = random.Random(0)
     torch.manual_seed(0)
@@ -209,7 +209,7 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 def check_engine(plan: Plan, name: str, root: Path, done: Callable[[dict], None]) -> None:
     import torch
 
-    from engine import LLM
+    from conveyor.engine import LLM
 
     started = time.perf_counter()
     try:
@@ -275,7 +275,7 @@ def greedy_agreement(plan: Plan, llm, path: Path, vocab: int) -> dict[str, Any]:
     position and among its top 5 at every one. A wrong rope, norm or cache read fails that."""
     import torch
 
-    from engine import SamplingParams
+    from conveyor.engine import SamplingParams
 
     prompts = random_prompts(8, 32, vocab, seed=1)
     tokens = 32
@@ -312,7 +312,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def throughput_vs_hf(plan: Plan, llm, path: Path, vocab: int) -> dict[str, Any]:
-    from engine import SamplingParams
+    from conveyor.engine import SamplingParams
 
     n, tokens = plan.throughput_requests, plan.throughput_tokens
     prompts = random_prompts(n, plan.context // 4, vocab, seed=2)
@@ -345,7 +345,7 @@ def throughput_vs_hf(plan: Plan, llm, path: Path, vocab: int) -> dict[str, Any]:
 
 def _prefilled(llm, prompts: list[list[int]], tokens: int) -> None:
     """`prompts` added and stepped until every one's prompt is computed (decode from here)."""
-    from engine import SamplingParams
+    from conveyor.engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
@@ -457,7 +457,7 @@ SYNC_CALLS = {"cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
 def logprob_peak(plan: Plan, llm, path: Path, vocab: int) -> dict[str, Any]:
     import torch
 
-    from engine import SamplingParams
+    from conveyor.engine import SamplingParams
 
     if plan.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(plan.device)
@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not args.cpu_dry_run and not torch.cuda.is_available():
-        from engine.llm_engine import no_cuda_reason
+        from conveyor.engine.llm_engine import no_cuda_reason
 
         print(
             f"no CUDA GPU on this machine ({no_cuda_reason()}): nothing "

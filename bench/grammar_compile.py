@@ -29,9 +29,9 @@ from random_llama import write_tokenizer
 from report import print_result, rule, table
 
 from conveyor.demo_model import write_tiny_model
-from engine import LLMEngine, SamplingParams
-from engine.grammar_compiler import _grammar
-from engine.sampling_params import StructuredOutputsParams
+from conveyor.engine import LLMEngine, SamplingParams
+from conveyor.engine.grammar_compiler import _grammar
+from conveyor.engine.sampling_params import StructuredOutputsParams
 
 VOCAB = 32000
 

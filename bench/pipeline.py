@@ -59,6 +59,8 @@ import sqlalchemy as sa
 from machine import CpuMeter, git_state, loadavg, process_cpu_seconds, rate
 from report import print_result, table
 
+from conveyor.ledger.db import make_engine
+from conveyor.ledger.states import TERMINAL
 from conveyor.settings import normalize_database_url
 from conveyor.testing import LocalRedis, Stack, service_env, write_jsonl
 from conveyor.testing.batches import chat_request
@@ -70,8 +72,6 @@ from conveyor.testing.databases import (
     with_database,
 )
 from conveyor.testing.servers import postgres_server, redis_server, throwaway
-from ledger.db import make_engine
-from ledger.states import TERMINAL
 
 GOAL_RPS = 2000.0
 ENDPOINT = "/v1/chat/completions"

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from random_llama import BenchModel, add_model_arguments, add_run_arguments, set_up, write_tokenizer
 from report import print_result, rule, table
 
-import engine.sampler
-from engine import LLM, SamplingParams
-from engine.sampling_params import StructuredOutputsParams
-from engine.structured_output import StructuredOutputs
+import conveyor.engine.sampler
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.sampling_params import StructuredOutputsParams
+from conveyor.engine.structured_output import StructuredOutputs
 
 GOAL_PENALTIES = 0.05
 GOAL_STRUCTURED = 0.20
@@ -124,7 +124,7 @@ class Stopwatch:
 
 
 def install_stopwatch() -> None:
-    Stopwatch.wrap(engine.sampler, "apply_logits_processors")
+    Stopwatch.wrap(conveyor.engine.sampler, "apply_logits_processors")
     Stopwatch.wrap(StructuredOutputs, "apply")
     Stopwatch.wrap(StructuredOutputs, "_fill")
 

@@ -21,8 +21,8 @@ from engine_vs_hf import make_workload
 from random_llama import add_model_arguments, add_run_arguments, set_up
 from report import print_result, rule, table
 
-from engine import LLM, SamplingParams
-from engine.models.layers import Linear, RMSNorm
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.models.layers import Linear, RMSNorm
 
 PARTS = (
     "schedule", "layout and metadata", "projections", "attention", "norms",

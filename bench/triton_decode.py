@@ -53,7 +53,7 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def run_case(batch: int, context: int, device: torch.device, dtype: torch.dtype) -> dict:
-    from kernels.triton_paged import choose_num_splits, paged_decode_attention
+    from conveyor.kernels.triton_paged import choose_num_splits, paged_decode_attention
 
     blocks_per_seq = context // BLOCK_SIZE
     num_blocks = batch * blocks_per_seq
@@ -155,7 +155,7 @@ SWEEP = {"DECODE_BLOCK_N": (32, 64, 128), "DECODE_NUM_WARPS": (4, 8),
 def sweep() -> dict:
     """Each setting of the decode kernel's tile and launch (`SWEEP`) timed on `SWEEP_CASES`:
     one JSON line each, then the best by the headline case."""
-    from kernels import triton_paged
+    from conveyor.kernels import triton_paged
 
     if not torch.cuda.is_available():
         print("no CUDA GPU on this machine: nothing to sweep")

@@ -25,8 +25,8 @@ from conveyor.batch_format.result_lines import (
     error_line_from_exception,
 )
 from conveyor.batch_format.token_text import TokenDecoder
+from conveyor.engine.errors import InvalidRequestError
 from conveyor.engine_request import engine_error, internal_error, prepare_request
-from engine.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 

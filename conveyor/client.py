@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from conveyor.batch_format.errors import IDEMPOTENCY_KEY_REUSED
-from ledger.states import TERMINAL
+from conveyor.ledger.states import TERMINAL
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 API_OUTAGE_TOLERANCE = 300.0  # seconds a waiting client rides out an unreachable API

@@ -17,14 +17,14 @@ from conveyor.batch_format.errors import (
     BatchRequestError,
 )
 from conveyor.batch_format.request_line import ParsedRequest
-from engine.errors import (
+from conveyor.engine.errors import (
     PROMPT,
     STRUCTURED_OUTPUTS,
     ContextLengthError,
     InvalidRequestError,
     RequestFailure,
 )
-from engine.sampling_params import SamplingParams
+from conveyor.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from lm_eval.models.openai_completions import LocalCompletionsAPI
 
 from conveyor.batch_format.bodies import CHAT_URL, COMPLETIONS_URL
 from conveyor.client import DEFAULT_URL, ConveyorClient
-from ledger.states import BatchStatus
+from conveyor.ledger.states import BatchStatus
 
 MODEL_TYPE = "conveyor"
 BATCH_LINES = 50_000  # the service's default CONVEYOR_MAX_BATCH_LINES

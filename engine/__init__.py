@@ -10,24 +10,24 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers see of the names below
-    from engine.config import EngineConfig as EngineConfig
-    from engine.llm import LLM as LLM
-    from engine.llm_engine import EngineStats as EngineStats
-    from engine.llm_engine import LLMEngine as LLMEngine
-    from engine.outputs import CompletionOutput as CompletionOutput
-    from engine.outputs import RequestMetrics as RequestMetrics
-    from engine.outputs import RequestOutput as RequestOutput
-    from engine.sampling_params import SamplingParams as SamplingParams
+    from conveyor.engine.config import EngineConfig as EngineConfig
+    from conveyor.engine.llm import LLM as LLM
+    from conveyor.engine.llm_engine import EngineStats as EngineStats
+    from conveyor.engine.llm_engine import LLMEngine as LLMEngine
+    from conveyor.engine.outputs import CompletionOutput as CompletionOutput
+    from conveyor.engine.outputs import RequestMetrics as RequestMetrics
+    from conveyor.engine.outputs import RequestOutput as RequestOutput
+    from conveyor.engine.sampling_params import SamplingParams as SamplingParams
 
 _MODULE_OF = {
-    "LLM": "engine.llm",
-    "CompletionOutput": "engine.outputs",
-    "EngineConfig": "engine.config",
-    "EngineStats": "engine.llm_engine",
-    "LLMEngine": "engine.llm_engine",
-    "RequestMetrics": "engine.outputs",
-    "RequestOutput": "engine.outputs",
-    "SamplingParams": "engine.sampling_params",
+    "LLM": "conveyor.engine.llm",
+    "CompletionOutput": "conveyor.engine.outputs",
+    "EngineConfig": "conveyor.engine.config",
+    "EngineStats": "conveyor.engine.llm_engine",
+    "LLMEngine": "conveyor.engine.llm_engine",
+    "RequestMetrics": "conveyor.engine.outputs",
+    "RequestOutput": "conveyor.engine.outputs",
+    "SamplingParams": "conveyor.engine.sampling_params",
 }
 
 __all__ = list(_MODULE_OF)

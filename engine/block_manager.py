@@ -14,10 +14,10 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.sequence import Sequence
+from conveyor.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from engine.prompt_logprobs import BlockLogprobs
+    from conveyor.engine.prompt_logprobs import BlockLogprobs
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.metadata import AttentionMetadata
+from conveyor.kernels.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from engine.models.layers import COMPILED, EAGER, NATIVE, TRITON, onednn_runs
-from kernels import native_layers
-from kernels.cpu_build import cpu_flags
-from kernels.selector import triton_available
+from conveyor.engine.models.layers import COMPILED, EAGER, NATIVE, TRITON, onednn_runs
+from conveyor.kernels import native_layers
+from conveyor.kernels.cpu_build import cpu_flags
+from conveyor.kernels.selector import triton_available
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def _fastest_elementwise(
         return EAGER
     if dtype == torch.bfloat16 and native_layers.covers(hidden, head_dim, intermediate):
         return NATIVE
-    from kernels import compiled_paged
+    from conveyor.kernels import compiled_paged
 
     if problem := compiled_paged.compiler_missing():
         reasons["elementwise"] = problem

@@ -35,8 +35,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import STRUCTURED_OUTPUTS, InvalidRequestError
-from engine.sampling_params import StructuredOutputsParams
+from conveyor.engine.errors import STRUCTURED_OUTPUTS, InvalidRequestError
+from conveyor.engine.sampling_params import StructuredOutputsParams
 
 WORKERS = 2  # compiles at once: each takes a core from the model's threads
 CACHE_SIZE = 128  # compiled grammars kept; a large schema's lexer takes megabytes

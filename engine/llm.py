@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from engine.llm_engine import LLMEngine, Prompt
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from conveyor.engine.llm_engine import LLMEngine, Prompt
+from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.sampling_params import SamplingParams
 
 Message = dict[str, str]
 

@@ -12,14 +12,14 @@ from typing import Any
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.cpu_memory import reuse_large_allocations
-from engine.cuda_graphs import cuda_capture
-from engine.device_plan import plan_device
-from engine.dtypes import resolve_dtype
-from engine.errors import PROMPT, ContextLengthError, InvalidRequestError, RequestFailure
-from engine.loader import (
+from conveyor.engine.block_manager import BlockManager
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.cpu_memory import reuse_large_allocations
+from conveyor.engine.cuda_graphs import cuda_capture
+from conveyor.engine.device_plan import plan_device
+from conveyor.engine.dtypes import resolve_dtype
+from conveyor.engine.errors import PROMPT, ContextLengthError, InvalidRequestError, RequestFailure
+from conveyor.engine.loader import (
     config_dtype,
     eos_token_ids,
     load_config,
@@ -27,19 +27,19 @@ from engine.loader import (
     load_tokenizer,
     resolve_model_path,
 )
-from engine.memory_profile import kv_cache_bytes, largest_step, peak_step_bytes
-from engine.model_runner import ModelRunner
-from engine.models import DecoderForCausalLM
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from engine.prompt_logprobs import PromptLogprobs
-from engine.sampler import Sampler, SampleRequest, SampleResult
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Request, Sequence
-from engine.structured_output import StructuredOutputs
-from kernels import get_attention_backend
-from kernels.backend import AttentionBackend
-from kernels.upload import to_device, upload
+from conveyor.engine.memory_profile import kv_cache_bytes, largest_step, peak_step_bytes
+from conveyor.engine.model_runner import ModelRunner
+from conveyor.engine.models import DecoderForCausalLM
+from conveyor.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from conveyor.engine.prompt_logprobs import PromptLogprobs
+from conveyor.engine.sampler import Sampler, SampleRequest, SampleResult
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.scheduler import Scheduler
+from conveyor.engine.sequence import Request, Sequence
+from conveyor.engine.structured_output import StructuredOutputs
+from conveyor.kernels import get_attention_backend
+from conveyor.kernels.backend import AttentionBackend
+from conveyor.kernels.upload import to_device, upload
 
 Prompt = str | list[int]
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.models import MODEL_REGISTRY, DecoderForCausalLM
-from engine.models.decoder import PACKED
-from engine.models.layers import PackedLinear
+from conveyor.engine.models import MODEL_REGISTRY, DecoderForCausalLM
+from conveyor.engine.models.decoder import PACKED
+from conveyor.engine.models.layers import PackedLinear
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 

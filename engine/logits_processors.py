@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
-from kernels.upload import to_device
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.kernels.upload import to_device
 
 
 @dataclass

@@ -14,14 +14,14 @@ from collections.abc import Callable
 
 import torch
 
-from engine.logits_processors import SampleRequest
-from engine.model_runner import ModelRunner
-from engine.models import DecoderForCausalLM
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq
-from engine.sequence import Request, Sequence
-from kernels.backend import AttentionBackend
+from conveyor.engine.logits_processors import SampleRequest
+from conveyor.engine.model_runner import ModelRunner
+from conveyor.engine.models import DecoderForCausalLM
+from conveyor.engine.sampler import Sampler
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.scheduler import ScheduledSeq
+from conveyor.engine.sequence import Request, Sequence
+from conveyor.kernels.backend import AttentionBackend
 
 PROFILE_REQUEST = "__memory_profile__"
 

@@ -6,14 +6,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.cuda_graphs import Capture, DecodeGraphs, buckets_for
-from engine.models import DecoderForCausalLM
-from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence
-from kernels import AttentionBackend, AttentionMetadata
-from kernels.cascade import plan_cascade
-from kernels.metadata import BatchTables
-from kernels.upload import StepUpload, to_device
+from conveyor.engine.cuda_graphs import Capture, DecodeGraphs, buckets_for
+from conveyor.engine.models import DecoderForCausalLM
+from conveyor.engine.scheduler import ScheduledSeq
+from conveyor.engine.sequence import Sequence
+from conveyor.kernels import AttentionBackend, AttentionMetadata
+from conveyor.kernels.cascade import plan_cascade
+from conveyor.kernels.metadata import BatchTables
+from conveyor.kernels.upload import StepUpload, to_device
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import RequestFailure
+from conveyor.engine.errors import RequestFailure
 
 # token id -> log probability, for one position: the chosen token plus the top-k alternatives.
 TokenLogprobs = dict[int, float]

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.models import DecoderForCausalLM
-from engine.outputs import TokenLogprobs
-from engine.scheduler import ScheduledSeq
-from engine.sequence import Request, Sequence
-from kernels.upload import to_device
+from conveyor.engine.block_manager import BlockManager
+from conveyor.engine.models import DecoderForCausalLM
+from conveyor.engine.outputs import TokenLogprobs
+from conveyor.engine.scheduler import ScheduledSeq
+from conveyor.engine.sequence import Request, Sequence
+from conveyor.kernels.upload import to_device
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.logits_processors import SampleRequest, apply_logits_processors, changes_logits
-from engine.outputs import TokenLogprobs
-from kernels import native_layers
-from kernels.upload import to_device, upload
+from conveyor.engine.logits_processors import SampleRequest, apply_logits_processors, changes_logits
+from conveyor.engine.outputs import TokenLogprobs
+from conveyor.kernels import native_layers
+from conveyor.kernels.upload import to_device, upload
 
 __all__ = ["SampleRequest", "SampleResult", "Sampler"]
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import InvalidRequestError
+from conveyor.engine.errors import InvalidRequestError
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: -100..100
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: -2..2

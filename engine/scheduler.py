@@ -23,8 +23,8 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
+from conveyor.engine.block_manager import BlockManager
+from conveyor.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

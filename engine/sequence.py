@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.outputs import RequestMetrics, TokenLogprobs
-from engine.sampling_params import SamplingParams
+from conveyor.engine.outputs import RequestMetrics, TokenLogprobs
+from conveyor.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.prompt_logprobs import LogprobEntry
+    from conveyor.engine.prompt_logprobs import LogprobEntry
 
 _seq_ids = itertools.count()
 

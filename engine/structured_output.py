@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.grammar_compiler import Compile, GrammarCompiler, StructuredOutputError
-from engine.sampling_params import StructuredOutputsParams
+from conveyor.engine.grammar_compiler import Compile, GrammarCompiler, StructuredOutputError
+from conveyor.engine.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
-    from engine.sequence import Request
+    from conveyor.engine.sequence import Request
 
 _BITS = 32  # tokens per word of a bitmask
 # how long an engine with nothing else to run waits for a compile in a step, rather than spin

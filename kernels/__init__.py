@@ -2,11 +2,11 @@
 the same on the CPU with a compiled decode (our AVX512-BF16 kernel in bfloat16 where the CPU
 has it, else torch.compile's); `triton` is CUDA."""
 
-from kernels.backend import AttentionBackend
-from kernels.metadata import AttentionMetadata
-from kernels.selector import BACKENDS, get_attention_backend, triton_available
-from kernels.torch_backend import CompiledPagedAttention, TorchPagedAttention
-from kernels.triton_backend import TritonPagedAttention
+from conveyor.kernels.backend import AttentionBackend
+from conveyor.kernels.metadata import AttentionMetadata
+from conveyor.kernels.selector import BACKENDS, get_attention_backend, triton_available
+from conveyor.kernels.torch_backend import CompiledPagedAttention, TorchPagedAttention
+from conveyor.kernels.triton_backend import TritonPagedAttention
 
 __all__ = [
     "BACKENDS",

@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from kernels.metadata import AttentionMetadata
+from conveyor.kernels.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):

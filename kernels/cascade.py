@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from kernels.metadata import AttentionMetadata, BatchTables, CascadePlan, SharedPrefix
+from conveyor.kernels.metadata import AttentionMetadata, BatchTables, CascadePlan, SharedPrefix
 
 # Below these a prefix is left to the plain path: one more kernel call and a merge cost more
 # than reading a few blocks a few times.

@@ -20,7 +20,7 @@ import os
 import torch
 import torch._dynamo
 
-from kernels.cpu_build import cache_dir, cxx
+from conveyor.kernels.cpu_build import cache_dir, cxx
 
 log = logging.getLogger(__name__)
 

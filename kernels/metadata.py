@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.upload import Fetch, StepUpload
+from conveyor.kernels.upload import Fetch, StepUpload
 
 
 @dataclass

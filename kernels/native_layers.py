@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import load_avx512_bf16
+from conveyor.kernels.cpu_build import load_avx512_bf16
 
 SOURCE = Path(__file__).parent / "csrc" / "layers_bf16.cpp"
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import load_avx512_bf16
+from conveyor.kernels.cpu_build import load_avx512_bf16
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_bf16.cpp"
 BLOCK_SIZE = 16

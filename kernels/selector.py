@@ -9,9 +9,9 @@ import os
 
 import torch
 
-from kernels.backend import AttentionBackend
-from kernels.torch_backend import CompiledPagedAttention, TorchPagedAttention
-from kernels.triton_backend import TritonPagedAttention
+from conveyor.kernels.backend import AttentionBackend
+from conveyor.kernels.torch_backend import CompiledPagedAttention, TorchPagedAttention
+from conveyor.kernels.triton_backend import TritonPagedAttention
 
 BACKENDS = ("auto", "torch", "compiled", "triton")
 
@@ -43,7 +43,7 @@ def _fastest(device: torch.device) -> str:
         return "triton" if triton_available(device) else "torch"
     if device.type != "cpu":
         return "torch"
-    from kernels import compiled_paged
+    from conveyor.kernels import compiled_paged
 
     if problem := compiled_paged.compiler_missing():
         log.warning("attention: the eager torch path, not the compiled one (%s)", problem)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cascade, native_paged, torch_paged
+from conveyor.kernels import cascade, native_paged, torch_paged
 
 
 class TorchPagedAttention:
@@ -73,7 +73,7 @@ class CompiledPagedAttention(TorchPagedAttention):
     name = "compiled"
 
     def __init__(self) -> None:
-        from kernels import compiled_paged
+        from conveyor.kernels import compiled_paged
 
         if problem := compiled_paged.compiler_missing():
             raise ValueError(f"attention_backend='compiled' needs inductor's C++ build: {problem}")

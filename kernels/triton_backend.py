@@ -11,7 +11,7 @@ class TritonPagedAttention:
     name = "triton"
 
     def __init__(self) -> None:
-        from kernels import triton_paged
+        from conveyor.kernels import triton_paged
 
         self.kernels = triton_paged
 

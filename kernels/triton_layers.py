@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_paged import on_device
+from conveyor.kernels.triton_paged import on_device
 
 
 def _warps(block: int) -> int:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from ledger.models import BatchRow, RequestRow, ResultRow
-from ledger.states import TERMINAL
+from conveyor.ledger.models import BatchRow, RequestRow, ResultRow
+from conveyor.ledger.states import TERMINAL
 
 
 def erase_results(session: Session, batch_id: str, ok: bool) -> None:

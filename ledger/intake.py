@@ -16,9 +16,9 @@ from sqlalchemy.orm import Session
 
 from conveyor.batch_format.result_lines import error_line_from_exception
 from conveyor.batch_format.validation import LineRecord, Validation
-from ledger.models import BatchRow, RequestRow, ResultRow, ShardRow
-from ledger.results import INSERT_CHUNK, result_row
-from ledger.states import ShardStatus
+from conveyor.ledger.models import BatchRow, RequestRow, ResultRow, ShardRow
+from conveyor.ledger.results import INSERT_CHUNK, result_row
+from conveyor.ledger.states import ShardStatus
 
 
 def store_requests(

@@ -9,7 +9,7 @@ import time
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ledger.models import ApiKeyRow, BatchRow, FileRow
+from conveyor.ledger.models import ApiKeyRow, BatchRow, FileRow
 
 NAME_CHARS = ApiKeyRow.__table__.c.name.type.length
 PROJECT_CHARS = ApiKeyRow.__table__.c.project.type.length

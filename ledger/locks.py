@@ -7,7 +7,7 @@ import hashlib
 from sqlalchemy import false, text, update
 from sqlalchemy.orm import Session
 
-from ledger.models import BatchRow
+from conveyor.ledger.models import BatchRow
 
 
 def lock_project_batches(session: Session, project: str) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 
-import migrations
+from conveyor import migrations
 
 SCRIPT_DIR = Path(migrations.__file__).resolve().parent
 

@@ -11,7 +11,7 @@ from sqlalchemy import Row, bindparam, select, update
 from sqlalchemy.orm import Session
 
 from conveyor.batch_format.result_lines import build_error_line, dump_line
-from ledger.models import BatchRow, RequestRow, ResultRow
+from conveyor.ledger.models import BatchRow, RequestRow, ResultRow
 
 INSERT_CHUNK = 2000  # rows per statement when many error lines go in at once
 

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from ledger.models import BatchRow
-from ledger.states import BatchStatus
+from conveyor.ledger.models import BatchRow
+from conveyor.ledger.states import BatchStatus
 
 
 def note_serving(session: Session, is_served: Callable[[str], bool]) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from alembic import context
 
+from conveyor.ledger.db import make_engine
+from conveyor.ledger.models import Base
 from conveyor.settings import Settings
-from ledger.db import make_engine
-from ledger.models import Base
 
 config = context.config
 url = config.get_main_option("sqlalchemy.url") or Settings.from_env().db_url

@@ -63,8 +63,8 @@ def assert_greedy_matches_hf_through(
     """The engine's greedy equality with transformers through one attention backend (and
     `elementwise` kind): mixed lengths, long prompts split across steps, and a prompt whose
     prefix comes from the cache."""
-    from engine import LLM, SamplingParams
-    from kernels.cascade import plan_cascade
+    from conveyor.engine import LLM, SamplingParams
+    from conveyor.kernels.cascade import plan_cascade
 
     prompts = random_prompts(6, 1, 90, seed=seed)
     max_tokens = [6, 3, 8, 5, 1, 7]
@@ -94,7 +94,7 @@ def assert_greedy_matches_hf_through(
         plans.append(plan := plan_cascade(*args))
         return plan
 
-    with mock.patch("engine.model_runner.plan_cascade", recording_plan):
+    with mock.patch("conveyor.engine.model_runner.plan_cascade", recording_plan):
         again = llm.generate(shared, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     for prompt, out in zip(shared, again, strict=True):
         assert out.num_cached_tokens == 40

@@ -16,17 +16,26 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("api", "conveyor", "engine", "kernels", "ledger", "migrations", "worker")
-SERVICE_LAYERS = ("api", "ledger", "worker", "conveyor.dispatch")
+# the repository's folders and the names they are installed under: one import name, `conveyor`
+PACKAGES = {
+    "conveyor": "conveyor",
+    "api": "conveyor.api",
+    "engine": "conveyor.engine",
+    "kernels": "conveyor.kernels",
+    "ledger": "conveyor.ledger",
+    "migrations": "conveyor.migrations",
+    "worker": "conveyor.worker",
+}
+SERVICE_LAYERS = ("conveyor.api", "conveyor.ledger", "conveyor.worker", "conveyor.dispatch")
 WEB_AND_DATABASE = ("fastapi", "starlette", "sqlalchemy", "alembic", "psycopg", "celery", "redis")
 LONGEST_FUNCTION = 60  # lines; a longer one says why in a comment holding "long:"
 
 
 def module_files() -> dict[str, Path]:
     files = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    for folder, name in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = [name, *path.relative_to(ROOT / folder).with_suffix("").parts]
             if parts[-1] == "__init__":
                 parts.pop()
             files[".".join(parts)] = path
@@ -153,10 +162,10 @@ def offenders(packages: tuple[str, ...], forbidden: tuple[str, ...]) -> dict[str
 
 def test_the_import_graph_is_read() -> None:
     # the checks below mean something only if the graph is what the code says
-    assert "api.app" in MODULES and "engine.llm_engine" in MODULES
-    assert "conveyor.dispatch.celery_app" in project_imports("api.app")
-    assert "torch" in reaches("engine.llm_engine")
-    assert "sqlalchemy" in reaches("ledger.batch_lifecycle")
+    assert "conveyor.api.app" in MODULES and "conveyor.engine.llm_engine" in MODULES
+    assert "conveyor.dispatch.celery_app" in project_imports("conveyor.api.app")
+    assert "torch" in reaches("conveyor.engine.llm_engine")
+    assert "sqlalchemy" in reaches("conveyor.ledger.batch_lifecycle")
 
 
 def test_no_import_cycles() -> None:
@@ -164,15 +173,18 @@ def test_no_import_cycles() -> None:
 
 
 def test_the_api_imports_neither_the_worker_nor_torch() -> None:
-    assert offenders(("api",), ("worker", "torch", "engine", "kernels", "transformers")) == {}
+    forbidden = ("conveyor.worker", "torch", "conveyor.engine", "conveyor.kernels", "transformers")
+    assert offenders(("conveyor.api",), forbidden) == {}
 
 
 def test_the_engine_and_kernels_import_no_service_layer() -> None:
-    assert offenders(("engine", "kernels"), SERVICE_LAYERS + WEB_AND_DATABASE) == {}
+    engine = ("conveyor.engine", "conveyor.kernels")
+    assert offenders(engine, SERVICE_LAYERS + WEB_AND_DATABASE) == {}
 
 
 def test_the_batch_format_imports_no_torch_database_or_web_framework() -> None:
-    forbidden = ("torch", "engine", "kernels", "transformers", "api", "ledger", "worker")
+    forbidden = ("torch", "transformers", *(f"conveyor.{p}" for p in ("engine", "kernels")))
+    forbidden += SERVICE_LAYERS[:3]
     assert offenders(("conveyor.batch_format",), forbidden + WEB_AND_DATABASE) == {}
 
 
@@ -195,7 +207,9 @@ def test_no_function_is_long_without_saying_why() -> None:
     assert long_functions() == []
 
 
-@pytest.mark.parametrize("module", ["worker.runtime", "api.batch_create", "bench.pipeline"])
+@pytest.mark.parametrize(
+    "module", ["conveyor.worker.runtime", "conveyor.api.batch_create", "bench.pipeline"]
+)
 def test_a_long_function_is_found(module: str, tmp_path: Path, monkeypatch) -> None:
     # the length check sees a function grown past the limit in a real module
     files = BENCH_MODULES if module in BENCH_MODULES else MODULES
@@ -209,6 +223,51 @@ def test_a_long_function_is_found(module: str, tmp_path: Path, monkeypatch) -> N
 def test_a_cycle_is_found(monkeypatch) -> None:
     # ledger.models importing the API would close a loop through the API's own imports
     real = project_imports
-    added = {"ledger.models": {"api.app"}}
+    added = {"conveyor.ledger.models": {"conveyor.api.app"}}
     monkeypatch.setitem(globals(), "project_imports", lambda m: real(m) | added.get(m, set()))
-    assert any({"api.app", "ledger.models"} <= set(group) for group in cycles())
+    assert any({"conveyor.api.app", "conveyor.ledger.models"} <= set(group) for group in cycles())
+
+
+# ---- one import name --------------------------------------------------------------------------
+OLD_TOP_LEVEL = {folder for folder in PACKAGES if folder != "conveyor"}
+TEST_MODULES = {
+    ".".join(p.relative_to(ROOT).with_suffix("").parts): p
+    for p in sorted(ROOT.glob("tests/**/*.py"))
+}
+
+
+def top_level_imports(files: dict[str, Path]) -> dict[str, list[str]]:
+    """Modules that import a folder by its own name (`engine.x`) instead of `conveyor.engine.x`:
+    installed, no such name exists."""
+    found = {}
+    for module, path in files.items():
+        names = set()
+        for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif not node.level and node.module:
+                names.add(node.module)
+        bad = sorted(n for n in names if n.split(".")[0] in OLD_TOP_LEVEL)
+        if bad:
+            found[module] = bad
+    return found
+
+
+def test_everything_is_imported_under_conveyor() -> None:
+    assert top_level_imports(MODULES | BENCH_MODULES | TEST_MODULES) == {}
+
+
+def test_an_import_outside_conveyor_is_found(tmp_path: Path) -> None:
+    planted = tmp_path / "planted.py"
+    planted.write_text("import os\nfrom engine.llm import LLM\nimport worker.main\n")
+    assert top_level_imports({"planted": planted}) == {"planted": ["engine.llm", "worker.main"]}
+
+
+def test_the_package_list_covers_every_folder() -> None:
+    # a package missing from pyproject's list would be missing from the wheel
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert config["package-dir"] == {name: folder for folder, name in PACKAGES.items()}
+    packages = {m for m, p in MODULES.items() if p.name == "__init__.py"}
+    assert set(config["packages"]) == packages

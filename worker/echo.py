@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from engine.outputs import CompletionOutput, RequestOutput
+from conveyor.engine.outputs import CompletionOutput, RequestOutput
 
 ECHO_MODEL = "echo"
 

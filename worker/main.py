@@ -10,19 +10,19 @@ from typing import IO, Any
 
 from celery.signals import worker_shutting_down
 
+from conveyor.engine.config import EngineConfig
 from conveyor.served_names import served_model_names
 from conveyor.settings import Settings
-from engine.config import EngineConfig
-from worker.echo import ECHO_MODEL, EchoEngine
-from worker.gpu import claim_gpu
-from worker.runtime import WorkerRuntime
+from conveyor.worker.echo import ECHO_MODEL, EchoEngine
+from conveyor.worker.gpu import claim_gpu
+from conveyor.worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
 
 def build_engine(model: str, config: EngineConfig) -> Any:
     """The engine for `model`; `echo` is the null engine."""
-    from engine import LLM
+    from conveyor.engine import LLM
 
     if model == ECHO_MODEL:
         step = float(os.environ.get("CONVEYOR_ECHO_STEP_SECONDS") or 0)

@@ -50,8 +50,8 @@ from conveyor.batch_format.streaming import ChunkStream
 from conveyor.batch_format.token_text import TokenDecoder
 from conveyor.dispatch.online import OnlineBus, OnlineMessage
 from conveyor.engine_request import engine_error, internal_error, prepare_request
-from worker.engine_service import EngineJob, EngineService
-from worker.metrics import ONLINE_ABORTS
+from conveyor.worker.engine_service import EngineJob, EngineService
+from conveyor.worker.metrics import ONLINE_ABORTS
 
 log = logging.getLogger(__name__)
 

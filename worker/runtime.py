@@ -40,12 +40,10 @@ from conveyor.dispatch.online import bus_for, online_queue
 from conveyor.dispatch.queues import queue_for, worker_queue
 from conveyor.dispatch.reconciler import ReconcilerLoop, reconcile
 from conveyor.engine_request import engine_error, internal_error, prepare_request
-from conveyor.logs import bind, log_context
-from conveyor.settings import Settings
-from ledger.db import Ledger
-from ledger.models import WorkerRow
-from ledger.results import result_row
-from ledger.shard_lifecycle import (
+from conveyor.ledger.db import Ledger
+from conveyor.ledger.models import WorkerRow
+from conveyor.ledger.results import result_row
+from conveyor.ledger.shard_lifecycle import (
     ClaimedShard,
     claim_shard,
     close_shards,
@@ -54,11 +52,13 @@ from ledger.shard_lifecycle import (
     record_engine_failure,
     shard_heartbeat,
 )
-from ledger.states import BatchStatus
-from worker.engine_service import EngineJob, EngineService
-from worker.metrics import WorkerMetrics
-from worker.online import OnlineServer
-from worker.writer import PendingResults, ResultWriter, WriteItem
+from conveyor.ledger.states import BatchStatus
+from conveyor.logs import bind, log_context
+from conveyor.settings import Settings
+from conveyor.worker.engine_service import EngineJob, EngineService
+from conveyor.worker.metrics import WorkerMetrics
+from conveyor.worker.online import OnlineServer
+from conveyor.worker.writer import PendingResults, ResultWriter, WriteItem
 
 log = logging.getLogger(__name__)
 SLOW_SHUTDOWN_SECONDS = 20.0  # after SIGTERM: then the log gets every thread's stack
@@ -102,7 +102,7 @@ class WorkerRuntime:
         self.shard_prefixes: Counter[str] = Counter()  # prefix key -> shards run here
         # no ping per checkout: every ledger call here retries or is re-run by the reconciler
         self.ledger = Ledger(settings.db_url, pre_ping=False)
-        self.app = make_celery(settings, tasks=["worker.tasks"])
+        self.app = make_celery(settings, tasks=["conveyor.worker.tasks"])
         self.service = EngineService(engine, on_failure=self._engine_failed)
         self.metrics = WorkerMetrics(engine, self.model_names[0])
         self.writer = ResultWriter(

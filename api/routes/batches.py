@@ -8,18 +8,18 @@ from fastapi import APIRouter, Header, Query
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from api import batch_summary, schemas
-from api.batch_create import create_batch
-from api.batch_view import batch_list, batch_object, read_batch
-from api.deps import ProjectDep, SessionDep, StateDep, read_in_session
-from api.errors import APIError
-from api.guard import KeyedRoute
-from api.lookups import get_batch
-from api.params import IdempotencyKey, IdText, ModelText
-from api.results import result_lines, seq_after
+from conveyor.api import batch_summary, schemas
+from conveyor.api.batch_create import create_batch
+from conveyor.api.batch_view import batch_list, batch_object, read_batch
+from conveyor.api.deps import ProjectDep, SessionDep, StateDep, read_in_session
+from conveyor.api.errors import APIError
+from conveyor.api.guard import KeyedRoute
+from conveyor.api.lookups import get_batch
+from conveyor.api.params import IdempotencyKey, IdText, ModelText
+from conveyor.api.results import result_lines, seq_after
 from conveyor.batch_format.errors import BATCH_NOT_CANCELLABLE
-from ledger import batch_lifecycle
-from ledger.states import BatchStatus
+from conveyor.ledger import batch_lifecycle
+from conveyor.ledger.states import BatchStatus
 
 router = APIRouter(
     prefix="/v1/batches", tags=["batches"], responses=schemas.V1_ERRORS, route_class=KeyedRoute

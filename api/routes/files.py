@@ -11,20 +11,20 @@ from fastapi.responses import FileResponse, StreamingResponse
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api import schemas
-from api.deps import AppState, ProjectDep, SessionDep, StateDep, read_in_session
-from api.errors import APIError
-from api.guard import KeyedRoute
-from api.lookups import get_file
-from api.pagination import keyset_page
-from api.params import IdText, PurposeText
-from api.results import result_lines
-from api.uploads import UPLOAD_FORM, UploadRoute, receive_upload
+from conveyor.api import schemas
+from conveyor.api.deps import AppState, ProjectDep, SessionDep, StateDep, read_in_session
+from conveyor.api.errors import APIError
+from conveyor.api.guard import KeyedRoute
+from conveyor.api.lookups import get_file
+from conveyor.api.pagination import keyset_page
+from conveyor.api.params import IdText, PurposeText
+from conveyor.api.results import result_lines
+from conveyor.api.uploads import UPLOAD_FORM, UploadRoute, receive_upload
 from conveyor.batch_format.errors import NOT_FOUND
 from conveyor.batch_format.lines import FileLimits
-from ledger.erasure import erase_input_copies, erase_results
-from ledger.ids import new_file_id
-from ledger.models import FileRow
+from conveyor.ledger.erasure import erase_input_copies, erase_results
+from conveyor.ledger.ids import new_file_id
+from conveyor.ledger.models import FileRow
 
 router = APIRouter(
     prefix="/v1/files", tags=["files"], responses=schemas.V1_ERRORS, route_class=KeyedRoute

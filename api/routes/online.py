@@ -24,12 +24,12 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from starlette.responses import Response
 
-from api import schemas
-from api.deps import AppState, ProjectDep, StateDep
-from api.errors import APIError
-from api.guard import KeyedRoute
-from api.online_lease import LeasedStream, OnlineLease, unless_gone
-from api.online_limits import check_prompt_count, check_rate, check_sequences, sequences_of
+from conveyor.api import schemas
+from conveyor.api.deps import AppState, ProjectDep, StateDep
+from conveyor.api.errors import APIError
+from conveyor.api.guard import KeyedRoute
+from conveyor.api.online_lease import LeasedStream, OnlineLease, unless_gone
+from conveyor.api.online_limits import check_prompt_count, check_rate, check_sequences, sequences_of
 from conveyor.batch_format.bodies import CHAT_URL, COMPLETIONS_URL, DetokenizeBody, TokenizeBody
 from conveyor.batch_format.errors import (
     INVALID_REQUEST,
@@ -41,7 +41,7 @@ from conveyor.batch_format.errors import (
 from conveyor.batch_format.request_line import parse_online_body, validation_message
 from conveyor.dispatch.online import AnswerTimeout, OnlineMessage, online_queue
 from conveyor.dispatch.queues import queue_for
-from ledger.models import WorkerRow
+from conveyor.ledger.models import WorkerRow
 
 ONLINE_ERRORS = schemas.error_responses(404, 413, 422, 503, 504)
 ANSWERS = {

@@ -9,12 +9,12 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from sqlalchemy import select, text
 
-from api import schemas
-from api.deps import SessionDep, StateDep, get_project
-from api.guard import KeyedRoute
+from conveyor.api import schemas
+from conveyor.api.deps import SessionDep, StateDep, get_project
+from conveyor.api.guard import KeyedRoute
 from conveyor.dispatch.broker import ping
-from ledger.models import WorkerRow
-from ledger.serving import unserved_models
+from conveyor.ledger.models import WorkerRow
+from conveyor.ledger.serving import unserved_models
 
 router = APIRouter(tags=["system"])
 models = APIRouter(tags=["system"], route_class=KeyedRoute)  # wants a key, as every /v1 route

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from api import schemas, workers_view
-from api.deps import ProjectDep, StateDep, get_project, read_in_session
-from api.guard import KeyedRoute
+from conveyor.api import schemas, workers_view
+from conveyor.api.deps import ProjectDep, StateDep, get_project, read_in_session
+from conveyor.api.guard import KeyedRoute
 
 router = APIRouter(tags=["system"], responses=schemas.error_responses(401), route_class=KeyedRoute)
 

@@ -13,9 +13,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from conveyor import __version__
 from conveyor.cli import client, offline, server
 from conveyor.cli.common import EXIT_INTERRUPTED, PROG
+from conveyor.version import __version__
 
 SUBCOMMANDS = [
     offline.add_run_batch,

@@ -24,7 +24,7 @@ from conveyor.cli.common import (
     add_url_argument,
     fail,
 )
-from ledger.states import BatchStatus
+from conveyor.ledger.states import BatchStatus
 
 
 def add_submit(sub: argparse._SubParsersAction) -> None:

@@ -7,7 +7,7 @@ import argparse
 from collections.abc import Iterator
 from dataclasses import Field, fields
 
-from engine.config import EngineConfig
+from conveyor.engine.config import EngineConfig
 
 _ARGPARSE_SETTINGS = ("type", "metavar", "choices")
 

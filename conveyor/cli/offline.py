@@ -83,7 +83,7 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
         return fail(RUN_BATCH, problem, EXIT_USAGE)
 
     try:
-        from engine import LLM
+        from conveyor.engine import LLM
     except Exception as err:  # a broken install should say so, not dump a traceback
         return fail(RUN_BATCH, f"cannot import the engine: {type(err).__name__}: {err}")
 

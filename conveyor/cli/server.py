@@ -23,7 +23,7 @@ def _settings():
 
 def _upgrade_embedded_ledger(settings: Any) -> None:
     if settings.database_url is None:
-        from ledger.migrate import upgrade
+        from conveyor.ledger.migrate import upgrade
 
         upgrade(settings.db_url)  # the embedded ledger migrates itself
 
@@ -44,8 +44,8 @@ def add_migrate(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
+    from conveyor.ledger.migrate import current_revision, upgrade
     from conveyor.settings import normalize_database_url
-    from ledger.migrate import current_revision, upgrade
 
     settings = _settings()
     url = normalize_database_url(args.database_url) if args.database_url else settings.db_url
@@ -89,8 +89,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     settings = _settings()
     _log_setup(args.loglevel)
     _upgrade_embedded_ledger(settings)
-    from worker.main import consume, start_runtime
-    from worker.runtime import ENGINE_FAILED_EXIT
+    from conveyor.worker.main import consume, start_runtime
+    from conveyor.worker.runtime import ENGINE_FAILED_EXIT
 
     try:
         runtime = start_runtime(
@@ -161,8 +161,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.run()
         return EXIT_OK
 
-    from worker.main import consume, start_runtime
-    from worker.runtime import ENGINE_FAILED_EXIT
+    from conveyor.worker.main import consume, start_runtime
+    from conveyor.worker.runtime import ENGINE_FAILED_EXIT
 
     model, names = _embedded_model(settings, args)
     print(
@@ -189,7 +189,7 @@ def _api_server(settings: Any, host: str, port: int) -> Any:
     """The API's uvicorn server, not yet running."""
     import uvicorn
 
-    from api.app import create_app
+    from conveyor.api.app import create_app
 
     app = create_app(settings)
     # SIGTERM: stop accepting, let requests in flight finish (up to 30 s), then exit
@@ -245,7 +245,7 @@ def add_keys(sub: argparse._SubParsersAction) -> None:
 
 
 def _key_ledger():
-    from ledger.db import Ledger
+    from conveyor.ledger.db import Ledger
 
     settings = _settings()
     _upgrade_embedded_ledger(settings)
@@ -253,7 +253,13 @@ def _key_ledger():
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
-    from ledger.keys import NAME_CHARS, PROJECT_CHARS, check_label, create_key, project_exists
+    from conveyor.ledger.keys import (
+        NAME_CHARS,
+        PROJECT_CHARS,
+        check_label,
+        create_key,
+        project_exists,
+    )
 
     try:
         name = check_label("--name", args.name, NAME_CHARS)
@@ -279,7 +285,7 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_list(args: argparse.Namespace) -> int:
-    from ledger.keys import list_keys
+    from conveyor.ledger.keys import list_keys
 
     ledger = _key_ledger()
     try:
@@ -295,7 +301,7 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
-    from ledger.keys import revoke_key
+    from conveyor.ledger.keys import revoke_key
 
     ledger = _key_ledger()
     try:

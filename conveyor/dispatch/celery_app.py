@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from celery import Celery
 
 from conveyor.dispatch.queues import QUEUE_PREFIX, is_redis_url
+from conveyor.ledger.shard_lifecycle import ShardTask
 from conveyor.settings import Settings
-from ledger.shard_lifecycle import ShardTask
 
 RUN_SHARD = "conveyor.run_shard"
 

@@ -23,12 +23,12 @@ from conveyor.dispatch.broker import live_task_ids
 from conveyor.dispatch.celery_app import send_shards
 from conveyor.dispatch.queues import is_redis_url, queue_for
 from conveyor.dispatch.routing import Router, live_workers
+from conveyor.ledger.batch_lifecycle import advance, batches_with_status
+from conveyor.ledger.db import Ledger
+from conveyor.ledger.serving import note_serving
+from conveyor.ledger.shard_lifecycle import mark_enqueued, shards_to_enqueue
+from conveyor.ledger.states import BatchStatus
 from conveyor.settings import Settings
-from ledger.batch_lifecycle import advance, batches_with_status
-from ledger.db import Ledger
-from ledger.serving import note_serving
-from ledger.shard_lifecycle import mark_enqueued, shards_to_enqueue
-from ledger.states import BatchStatus
 
 log = logging.getLogger(__name__)
 

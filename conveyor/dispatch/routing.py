@@ -19,8 +19,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from conveyor.dispatch.queues import is_redis_url, worker_queue
-from ledger.models import WorkerRow
-from ledger.shard_lifecycle import ShardTask
+from conveyor.ledger.models import WorkerRow
+from conveyor.ledger.shard_lifecycle import ShardTask
 
 DEFAULT_BACKLOG = 16  # shards waiting in one worker's own queue before others get the overflow
 

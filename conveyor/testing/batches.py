@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 
+from conveyor.ledger.states import TERMINAL
 from conveyor.testing.stack import conveyor_argv
-from ledger.states import TERMINAL
 
 
 def chat_request(custom_id: str, model: str, system: str, user: str, max_tokens: int = 8) -> dict:

@@ -48,7 +48,7 @@ def drop_database(server_url: str, name: str) -> None:
 
 
 def migrate(url: str) -> None:
-    from ledger.migrate import upgrade
+    from conveyor.ledger.migrate import upgrade
 
     upgrade(normalize_database_url(url))
 

@@ -1,4 +1,4 @@
-from engine.models.decoder import (
+from conveyor.engine.models.decoder import (
     DecoderForCausalLM,
     LlamaForCausalLM,
     Qwen2ForCausalLM,

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.layers import (
+from conveyor.engine.models.layers import (
     COMPILED,
     EAGER,
     NATIVE,
@@ -27,7 +27,7 @@ from engine.models.layers import (
     compiled_apply_rope,
     triton_layers,
 )
-from kernels import AttentionBackend, AttentionMetadata, native_layers
+from conveyor.kernels import AttentionBackend, AttentionMetadata, native_layers
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

@@ -11,7 +11,7 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import native_layers
+from conveyor.kernels import native_layers
 
 # How a module runs its elementwise steps (norms, rope, activation): torch's eager ops, fused
 # loops compiled by inductor, `kernels.native_layers` (bfloat16, AVX512-BF16 CPUs) or
@@ -22,7 +22,7 @@ EAGER, COMPILED, NATIVE, TRITON = "eager", "compiled", "native", "triton"
 @functools.cache
 def triton_layers():
     """`kernels.triton_layers`, imported on first use: Triton is installed only for GPUs."""
-    from kernels import triton_layers
+    from conveyor.kernels import triton_layers
 
     return triton_layers
 

@@ -63,9 +63,9 @@ def test_startup_objects_are_kept_out_of_full_collections(tmp_path: Path) -> Non
 
     from fastapi.testclient import TestClient
 
-    from api.app import create_app
+    from conveyor.api.app import create_app
+    from conveyor.ledger.migrate import upgrade
     from conveyor.settings import Settings
-    from ledger.migrate import upgrade
 
     db = f"sqlite:///{tmp_path / 'ledger.db'}"
     upgrade(db)

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy.orm import Session
 
-from api import batch_summary
-from api.errors import APIError
-from api.workers_view import live_workers, model_queues
-from ledger.db import Ledger
-from ledger.models import BatchRow, RequestRow, ResultRow, ShardRow, WorkerRow
+from conveyor.api import batch_summary
+from conveyor.api.errors import APIError
+from conveyor.api.workers_view import live_workers, model_queues
+from conveyor.ledger.db import Ledger
+from conveyor.ledger.models import BatchRow, RequestRow, ResultRow, ShardRow, WorkerRow
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -181,7 +181,7 @@ def test_queues_count_the_projects_own_work(ledger: Ledger) -> None:
 def test_the_page_files_ship_with_the_package() -> None:
     # a non-editable install (the API's image) must carry every file the API serves
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    patterns = config["tool"]["setuptools"]["package-data"]["api"]
+    patterns = config["tool"]["setuptools"]["package-data"]["conveyor.api"]
     files = [p.relative_to(ROOT / "api").as_posix() for p in (ROOT / "api" / "ui").rglob("*")]
     assert {"ui/index.html", "ui/app.js", "ui/style.css"} <= set(files)
     for name in files:

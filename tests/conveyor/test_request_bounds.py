@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, event, given, settings
 from conveyor.batch_format.bodies import CHAT_URL, COMPLETIONS_URL
 from conveyor.batch_format.errors import BatchRequestError
 from conveyor.batch_format.request_line import parse_online_body
+from conveyor.engine import LLM
+from conveyor.engine.errors import InvalidRequestError
 from conveyor.engine_request import engine_error, prepare_request
-from engine import LLM
-from engine.errors import InvalidRequestError
 from tests.request_strategies import CHATS, COMPLETIONS
 
 

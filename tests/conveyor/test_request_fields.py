@@ -26,7 +26,7 @@ from conveyor.batch_format.errors import (
 )
 from conveyor.batch_format.fields import ACCEPTED_WITHOUT_EFFECT, UNSUPPORTED
 from conveyor.batch_format.request_line import ParsedRequest, parse_request_line
-from engine.sampling_params import SamplingParams
+from conveyor.engine.sampling_params import SamplingParams
 
 BASE = {
     CHAT_URL: {"model": "m", "messages": [{"role": "user", "content": "hi"}]},

@@ -20,7 +20,7 @@ from conveyor.batch_format.request_line import (
 )
 from conveyor.batch_format.result_lines import build_error_line, build_output_line
 from conveyor.batch_format.token_text import TokenDecoder
-from engine.errors import ContextLengthError
+from conveyor.engine.errors import ContextLengthError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -406,7 +406,7 @@ def test_completion_sampling_extras() -> None:
 
 
 def test_sampling_kwargs_are_accepted_by_sampling_params() -> None:
-    from engine.sampling_params import SamplingParams
+    from conveyor.engine.sampling_params import SamplingParams
 
     for text in (
         chat_line("a", logprobs=True, top_logprobs=3, stop="x", top_k=5, seed=1),
@@ -613,8 +613,9 @@ def test_batch_format_and_cli_help_do_not_import_torch() -> None:
         "import sys, conveyor.batch_format.result_lines, conveyor.batch_format.validation;"
         "import conveyor.cli;"
         "conveyor.cli.build_parser();"
-        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'engine', 'transformers')"
-        " and m not in ('engine', 'engine.config')];"
+        "bad = [m for m in sys.modules if (m.split('.')[0] in ('torch', 'transformers')"
+        " or m.startswith('conveyor.engine.') or m.startswith('engine'))"
+        " and m != 'conveyor.engine.config'];"
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
@@ -753,7 +754,7 @@ def test_run_batch_round_trip(tiny_model: Path, tmp_path: Path) -> None:
 
 def test_error_file_and_greedy_matches_generate(tiny_model: Path, tmp_path: Path) -> None:
     from conveyor.cli import main
-    from engine import LLM, SamplingParams
+    from conveyor.engine import LLM, SamplingParams
 
     prompt = "The quick brown fox"
     messages = [{"role": "user", "content": "What is the capital of France?"}]

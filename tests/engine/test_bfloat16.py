@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams, dtypes
-from kernels import cpu_build
+from conveyor.engine import LLM, SamplingParams, dtypes
+from conveyor.kernels import cpu_build
 from tests.hf_reference import ARCHS, random_prompts
 
 # bfloat16 keeps 8 bits of mantissa (a logit of ~10 is known to ~0.04), and the engine sums in
@@ -51,7 +51,7 @@ def test_auto_is_bfloat16_exactly_where_the_cpu_has_fast_bfloat16(monkeypatch):
 
 
 def test_a_cuda_device_with_no_gpu_is_refused_naming_why(monkeypatch):
-    from engine.llm_engine import _resolve_device
+    from conveyor.engine.llm_engine import _resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert _resolve_device("auto") == torch.device("cpu")
@@ -71,7 +71,7 @@ def test_bfloat16_through_our_kernels_agrees_with_transformers(tmp_path, hf_bf16
     so its decode and prefill attention run through `native_paged`, and its norms, rope and
     activation through `native_layers`, which round where transformers' eager modules do."""
     from conveyor.demo_model import write_tiny_model
-    from kernels import native_layers, native_paged
+    from conveyor.kernels import native_layers, native_paged
 
     if not cpu_build.cpu_has_avx512_bf16():
         pytest.skip("this CPU has no AVX512-BF16, so the kernels do not run")

@@ -13,9 +13,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import Request, Sequence
+from conveyor.engine.block_manager import BlockManager
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.sequence import Request, Sequence
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24

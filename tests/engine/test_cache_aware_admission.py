@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from engine import LLM, SamplingParams
+from conveyor.engine import LLM, SamplingParams
 
 SYSTEM_LEN = 400  # 25 blocks of 16
 

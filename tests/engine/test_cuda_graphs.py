@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.cuda_graphs import buckets_for
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.cuda_graphs import buckets_for
 from tests.hf_reference import hf_greedy, random_prompts
 
 
@@ -94,7 +94,7 @@ def test_enforce_eager_turns_graphs_off(checkpoints):
 
 def decode_step(runner, blocks: list[int], position: int):
     """A decode step's inputs: one sequence per block of `blocks`, each at `position`."""
-    from kernels.metadata import AttentionMetadata, BatchTables
+    from conveyor.kernels.metadata import AttentionMetadata, BatchTables
 
     bs, n = runner.block_size, len(blocks)
     tables = BatchTables([[b] for b in blocks], [position + 1] * n, [], [], [0])

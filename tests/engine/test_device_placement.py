@@ -7,13 +7,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-from engine.model_runner import ModelRunner
-from engine.models import MODEL_REGISTRY
-from engine.prompt_logprobs import PromptLogprobs
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq
-from engine.sequence import Request, Sequence
-from kernels import torch_paged
+from conveyor.engine.model_runner import ModelRunner
+from conveyor.engine.models import MODEL_REGISTRY
+from conveyor.engine.prompt_logprobs import PromptLogprobs
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.scheduler import ScheduledSeq
+from conveyor.engine.sequence import Request, Sequence
+from conveyor.kernels import torch_paged
 from tests.fake_cuda import fake_cuda
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -98,8 +98,8 @@ def test_the_fake_device_refuses_a_cpu_tensor_mixed_with_a_cuda_one():
 def decode_step_transfers(params: list[SamplingParams], seeded: set[int] = frozenset()):
     """The host-device copies of one decode step of a fake-CUDA qwen3, one sequence per
     `params` (those at `seeded` with a generator of their own), its sampling included."""
-    from engine.logits_processors import SampleRequest
-    from engine.sampler import Sampler
+    from conveyor.engine.logits_processors import SampleRequest
+    from conveyor.engine.sampler import Sampler
 
     config = CONFIGS["qwen3"]
     with fake_cuda() as transfers:
@@ -154,8 +154,8 @@ def test_the_memory_profile_runs_the_largest_step_on_the_device():
     """Before the KV cache is sized on a GPU: a step of max_num_batched_tokens prompt tokens
     and the sampling of max_num_seqs rows, every tensor on the device; what it takes at its
     peak comes off the KV budget."""
-    from engine.memory_profile import kv_cache_bytes, largest_step, peak_step_bytes
-    from engine.sampler import Sampler
+    from conveyor.engine.memory_profile import kv_cache_bytes, largest_step, peak_step_bytes
+    from conveyor.engine.sampler import Sampler
 
     config = CONFIGS["llama-3.x rope"]
     rows_sampled = []

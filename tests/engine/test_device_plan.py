@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import device_plan
-from engine.device_plan import plan_device
-from kernels import compiled_paged, native_layers
+from conveyor.engine import device_plan
+from conveyor.engine.device_plan import plan_device
+from conveyor.kernels import compiled_paged, native_layers
 
 DIMS = dict(hidden=64, head_dim=32, intermediate=128)
 CPU = torch.device("cpu")
@@ -81,10 +81,10 @@ def test_triton_elementwise_on_a_cpu_needs_the_interpreter(monkeypatch):
 
 
 def test_the_engine_runs_its_plan_and_the_worker_reports_it(checkpoints):
-    from api.workers_view import _worker
-    from engine import LLM
-    from ledger.models import WorkerRow
-    from worker.engine_service import EngineService
+    from conveyor.api.workers_view import _worker
+    from conveyor.engine import LLM
+    from conveyor.ledger.models import WorkerRow
+    from conveyor.worker.engine_service import EngineService
 
     llm = LLM(str(checkpoints["llama"]), device="cpu", attention_backend="torch")
     layer = llm.runner.model.model.layers[0]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig, parse_size
+from conveyor.engine.config import EngineConfig, parse_size
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,7 +46,7 @@ def test_help_states_the_defaults() -> None:
 
 
 def test_engine_takes_a_config_or_options(checkpoints) -> None:
-    from engine import LLM
+    from conveyor.engine import LLM
 
     path = str(checkpoints["llama"])
     config = EngineConfig(device="cpu", max_num_seqs=8, num_kv_blocks=32, block_size=8)
@@ -63,8 +63,9 @@ def test_engine_takes_a_config_or_options(checkpoints) -> None:
 
 def test_config_sampling_params_and_outputs_import_without_torch() -> None:
     code = (
-        "import sys, engine.config, engine.sampling_params, engine.outputs;"
-        "from engine import EngineConfig, SamplingParams, RequestOutput;"
+        "import sys, conveyor.engine.config, conveyor.engine.sampling_params;"
+        "import conveyor.engine.outputs;"
+        "from conveyor.engine import EngineConfig, SamplingParams, RequestOutput;"
         "assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

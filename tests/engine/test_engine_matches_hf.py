@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from conveyor.engine import LLM, SamplingParams
 from tests.hf_reference import ARCHS, hf_greedy, random_prompts
 
 PROMPTS = random_prompts(24, 1, 300, seed=1)

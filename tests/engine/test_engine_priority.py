@@ -3,7 +3,7 @@ step's tokens."""
 
 from __future__ import annotations
 
-from engine import LLM, SamplingParams
+from conveyor.engine import LLM, SamplingParams
 from tests.hf_reference import hf_greedy, random_prompts
 
 BATCH, ONLINE = 1, 0

@@ -11,9 +11,9 @@ from collections import Counter
 
 import pytest
 
-from engine import LLM, SamplingParams, grammar_compiler
-from engine.config import EngineConfig
-from engine.sampling_params import StructuredOutputsParams
+from conveyor.engine import LLM, SamplingParams, grammar_compiler
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.sampling_params import StructuredOutputsParams
 from tests.hf_reference import random_prompts
 
 PROMPTS = random_prompts(6, 8, 8, seed=33)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models import layers
-from engine.models.layers import Linear, PackedLinear
+from conveyor.engine.models import layers
+from conveyor.engine.models.layers import Linear, PackedLinear
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -31,7 +31,7 @@ def test_packed_linear_shards_match_the_packed_product(bias, widths):
 
 def test_prepacked_output_layer_matches_the_plain_product():
     """The output layer's oneDNN copy gives the plain product, for any leading shape."""
-    from engine.models.layers import PrepackedLinear
+    from conveyor.engine.models.layers import PrepackedLinear
 
     torch.manual_seed(0)
     weight = torch.randn(1000, 64)
@@ -52,7 +52,7 @@ def test_prepacked_output_layer_matches_the_plain_product():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prepacked_projection_matches_the_plain_one_and_drops_its_weight(dtype):
-    from engine.models.layers import Linear
+    from conveyor.engine.models.layers import Linear
 
     torch.manual_seed(0)
     layer = Linear(48, 80, bias=True).to(dtype)
@@ -67,7 +67,7 @@ def test_prepacked_projection_matches_the_plain_one_and_drops_its_weight(dtype):
 
 
 def test_loaded_model_prepacks_its_output_layer(checkpoints):
-    from engine import LLM
+    from conveyor.engine import LLM
 
     llm = LLM(str(checkpoints["llama"]), device="cpu", dtype="float32")
     model = llm.runner.model
@@ -87,8 +87,8 @@ def test_warm_up_runs_every_projection_at_every_decode_batch_size(checkpoints, m
     those kernels live in is sized to keep them all."""
     import os
 
-    from engine import LLM
-    from engine.models.layers import ONEDNN_CACHE_CAPACITY, PrepackedLinear
+    from conveyor.engine import LLM
+    from conveyor.engine.models.layers import ONEDNN_CACHE_CAPACITY, PrepackedLinear
 
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
     llm = LLM(str(checkpoints["llama"]), device="cpu", dtype="float32", max_num_seqs=12)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM
+from conveyor.engine import LLM
 
 
 def copy_checkpoint(src, dst):
@@ -53,7 +53,7 @@ def test_unknown_model_name_fails_clearly(monkeypatch, tmp_path):
 def test_rope_scaling_from_the_config_is_applied(tmp_path):
     """A llama3-style rope_scaling changes outputs, and still matches transformers."""
     from conveyor.demo_model import write_tiny_model
-    from engine import SamplingParams
+    from conveyor.engine import SamplingParams
     from tests.hf_reference import hf_greedy
 
     rope = {

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.logits_processors import flat_pairs, unique_pairs
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.logits_processors import flat_pairs, unique_pairs
 from tests.hf_reference import ARCHS, hf_greedy, hf_model, random_prompts
 
 EOS = 2  # <|im_end|> in the tiny checkpoints' tokenizer

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from engine import LLM, SamplingParams
+from conveyor.engine import LLM, SamplingParams
 from tests.hf_reference import ARCHS, hf_logprobs, random_prompts
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.model_runner import StepLayout
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.model_runner import StepLayout
 from tests.hf_reference import random_prompts
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine import LLM, SamplingParams
+from conveyor.engine import LLM, SamplingParams
 from tests.hf_reference import hf_greedy
 
 

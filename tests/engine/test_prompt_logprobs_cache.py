@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from conveyor.engine import LLM, SamplingParams
 from tests.hf_reference import hf_logprobs, random_prompts
 
 BLOCK = 8

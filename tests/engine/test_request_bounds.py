@@ -13,8 +13,8 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine import LLM, SamplingParams
-from engine.errors import InvalidRequestError
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.errors import InvalidRequestError
 from tests.request_strategies import ANY_FLOAT, ANY_INT
 
 ENGINE_KWARGS = dict(device="cpu", dtype="float32", block_size=8, num_kv_blocks=64, max_num_seqs=8)

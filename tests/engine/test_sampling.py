@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.sampler import first_max_index
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.sampler import first_max_index
 from tests.hf_reference import hf_greedy, random_prompts
 
 PROMPTS = random_prompts(40, 4, 120, seed=5)
@@ -194,8 +194,8 @@ def test_plain_greedy_rows_are_picked_from_logits_in_their_own_dtype(monkeypatch
     """bfloat16 logits of greedy rows with nothing to adjust are read as they are; a row that
     asks for logprobs, or has a logit bias, sends the batch through the float32 path. Both
     pick the same tokens."""
-    from engine.logits_processors import SampleRequest
-    from engine.sampler import Sampler
+    from conveyor.engine.logits_processors import SampleRequest
+    from conveyor.engine.sampler import Sampler
 
     logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     sampler = Sampler(torch.Generator().manual_seed(0))
@@ -222,8 +222,8 @@ def test_only_the_sampled_rows_of_a_mixed_step_are_sampled():
     """One sampled row among greedy ones draws noise for its own row alone (the generator moves
     as far as for that row sampled by itself) and the greedy rows keep their argmax, with or
     without logprobs asked for."""
-    from engine.logits_processors import SampleRequest
-    from engine.sampler import Sampler
+    from conveyor.engine.logits_processors import SampleRequest
+    from conveyor.engine.sampler import Sampler
 
     logits = torch.randn(64, 700, generator=torch.Generator().manual_seed(2))
     for extra in ({}, {"logprobs": 1}):

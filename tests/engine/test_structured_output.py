@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from engine import LLM, SamplingParams
-from engine.sampling_params import StructuredOutputsParams
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.sampling_params import StructuredOutputsParams
 from tests.hf_reference import random_prompts
 
 PROMPTS = random_prompts(16, 4, 60, seed=21)

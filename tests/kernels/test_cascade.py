@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import AttentionMetadata, get_attention_backend
-from kernels import cascade as cascade_mod
-from kernels.cascade import plan_cascade
-from kernels.metadata import BatchTables
+from conveyor.kernels import AttentionMetadata, get_attention_backend
+from conveyor.kernels import cascade as cascade_mod
+from conveyor.kernels.cascade import plan_cascade
+from conveyor.kernels.metadata import BatchTables
 from tests.hf_reference import assert_greedy_matches_hf_through
 
 BS = 8

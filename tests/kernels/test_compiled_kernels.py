@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch._dynamo
 
-from kernels import compiled_paged, get_attention_backend
-from kernels import torch_paged as ref
+from conveyor.kernels import compiled_paged, get_attention_backend
+from conveyor.kernels import torch_paged as ref
 from tests.hf_reference import assert_greedy_matches_hf_through
 from tests.kernels.test_kernels import paged_setup
 

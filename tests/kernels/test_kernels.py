@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import torch_paged
+from conveyor.kernels import torch_paged
 
 
 def paged_setup(lens, block_size, kv_heads, head_dim, seed=0, dtype=torch.float32):

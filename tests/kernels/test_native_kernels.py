@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_build, get_attention_backend, native_paged
-from kernels import torch_paged as ref
+from conveyor.kernels import cpu_build, get_attention_backend, native_paged
+from conveyor.kernels import torch_paged as ref
 from tests.kernels.test_kernels import paged_setup
 
 pytestmark = pytest.mark.skipif(

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.layers import add_rms_norm, apply_rope, rms_norm
-from kernels import cpu_build, native_layers
+from conveyor.engine.models.layers import add_rms_norm, apply_rope, rms_norm
+from conveyor.kernels import cpu_build, native_layers
 
 pytestmark = pytest.mark.skipif(
     not cpu_build.cpu_has_avx512_bf16(), reason="this CPU has no AVX512-BF16"

@@ -23,8 +23,8 @@ import random  # noqa: E402
 
 import pytest  # noqa: E402
 
-from kernels import torch_paged as ref  # noqa: E402
-from kernels import triton_paged as tk  # noqa: E402
+from conveyor.kernels import torch_paged as ref  # noqa: E402
+from conveyor.kernels import triton_paged as tk  # noqa: E402
 from tests.hf_reference import assert_greedy_matches_hf_through  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
@@ -174,7 +174,7 @@ def test_warm_up_runs_each_variant_over_both_table_widths(monkeypatch):
 
 
 def test_the_engine_warm_up_compiles_the_attention_variants(checkpoints, monkeypatch):
-    from engine import LLM
+    from conveyor.engine import LLM
 
     calls = []
     monkeypatch.setattr(
@@ -262,7 +262,7 @@ def test_engine_greedy_matches_transformers_through_triton(checkpoints):
 
 
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
-    from kernels import get_attention_backend
+    from conveyor.kernels import get_attention_backend
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
@@ -271,7 +271,7 @@ def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
 
 
 def test_auto_falls_back_to_eager_attention_without_a_compiler(monkeypatch, caplog):
-    from kernels import compiled_paged, get_attention_backend
+    from conveyor.kernels import compiled_paged, get_attention_backend
 
     monkeypatch.setattr(compiled_paged, "compiler_missing", lambda: "no C++ compiler (g++)")
     with caplog.at_level("WARNING"):

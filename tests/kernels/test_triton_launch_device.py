@@ -9,8 +9,8 @@ import contextlib
 import pytest
 import torch
 
-from kernels import triton_layers as tl_
-from kernels import triton_paged as tk
+from conveyor.kernels import triton_layers as tl_
+from conveyor.kernels import triton_paged as tk
 from tests.fake_cuda import fake_cuda
 
 KERNELS = {
@@ -83,7 +83,7 @@ def test_every_launch_has_its_tensors_device_current(launches):
 
 
 def test_the_engine_makes_its_device_current_on_the_thread_that_steps_it(monkeypatch):
-    from engine.llm_engine import use_device
+    from conveyor.engine.llm_engine import use_device
 
     current = {"device": 0}
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current["device"])

@@ -16,8 +16,8 @@ DEVICE = "cuda" if COMPILED else "cpu"
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from engine.models.layers import add_rms_norm, apply_rope, rms_norm  # noqa: E402
-from kernels import triton_layers as tl_  # noqa: E402
+from conveyor.engine.models.layers import add_rms_norm, apply_rope, rms_norm  # noqa: E402
+from conveyor.kernels import triton_layers as tl_  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16)
 

@@ -16,12 +16,12 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
 from conveyor.batch_format.validation import validate
+from conveyor.ledger import intake, results, shard_lifecycle
+from conveyor.ledger.db import Ledger
+from conveyor.ledger.migrate import alembic_config
+from conveyor.ledger.models import Base, BatchRow, RequestRow, ResultRow, ShardRow
 from conveyor.settings import normalize_database_url
 from conveyor.testing import batch_lines
-from ledger import intake, results, shard_lifecycle
-from ledger.db import Ledger
-from ledger.migrate import alembic_config
-from ledger.models import Base, BatchRow, RequestRow, ResultRow, ShardRow
 
 HEAD = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
 TABLES = {"files", "batches", "shards", "requests", "results", "workers", "alembic_version"}

@@ -20,9 +20,9 @@ import argparse
 import sys
 from typing import Any
 
-import worker.main
+import conveyor.worker.main
 from conveyor.cli import main
-from engine.config import EngineConfig
+from conveyor.engine.config import EngineConfig
 
 
 class FaultyEngine:
@@ -70,12 +70,12 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--refuse-prompt-with")
     parser.add_argument("--surrogate-text-for")
     faults = parser.parse_args(argv[:split])
-    build_engine = worker.main.build_engine
+    build_engine = conveyor.worker.main.build_engine
 
     def faulty_build_engine(model: str, config: EngineConfig) -> Any:
         return FaultyEngine(build_engine(model, config), faults)
 
-    worker.main.build_engine = faulty_build_engine
+    conveyor.worker.main.build_engine = faulty_build_engine
     return main(argv[split + 1 :])
 
 

@@ -22,7 +22,7 @@ import sqlalchemy as sa
 import uvicorn
 from fastapi import FastAPI
 
-from api import errors
+from conveyor.api import errors
 from conveyor.settings import normalize_database_url, window_seconds
 from conveyor.testing import (
     Stack,

@@ -490,7 +490,7 @@ def test_the_api_image_needs_no_engine_packages(tmp_path: Path) -> None:
     ready = subprocess.run([*run, "ready", "--url", "http://127.0.0.1:9"], capture_output=True)
     assert ready.returncode == 1 and b"not ready" in ready.stderr, ready.stderr.decode()
     app = prelude + (
-        "from api.app import create_app\n"
+        "from conveyor.api.app import create_app\n"
         "from conveyor.settings import Settings\n"
         f"create_app(Settings(data_dir=__import__('pathlib').Path({str(tmp_path)!r}), "
         f"database_url={db!r}, redis_url='redis://127.0.0.1:1/0'))\n"

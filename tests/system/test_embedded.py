@@ -4,6 +4,7 @@ submit` drives a batch through it end to end."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -21,21 +22,18 @@ EXIT_BATCH_FAILED = 3
 EXIT_TOO_MANY_FAILED = 6
 
 
-@pytest.fixture
-def embedded(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
-    """(URL of a running embedded service, the environment it and its clients use)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")} | {
-        "CONVEYOR_DATA_DIR": str(tmp_path / "data"),
-        "PYTHONUNBUFFERED": "1",
-    }
+@contextlib.contextmanager
+def serving(python: str, root: Path, env: dict[str, str]) -> Iterator[str]:
+    """`PYTHON -m conveyor serve` on embedded defaults in `root`; yields its URL once it
+    answers."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log_path = tmp_path / "serve.log"
+    log_path = root / "serve.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "conveyor", "serve", "--port", str(port)],
+            [python, "-m", "conveyor", "serve", "--port", str(port)],
             env=env,
-            cwd=tmp_path,
+            cwd=root,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -53,9 +51,23 @@ def embedded(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
                 pass
             assert time.time() < deadline, "serve did not start:\n" + log_path.read_text()
             time.sleep(0.3)
-        yield url, env
+        yield url
     finally:
         stop_group(proc)
+
+
+def embedded_env(data_dir: Path) -> dict[str, str]:
+    """This environment without DATABASE_URL and REDIS_URL, its data under `data_dir`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    return env | {"CONVEYOR_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture
+def embedded(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """(URL of a running embedded service, the environment it and its clients use)."""
+    env = embedded_env(tmp_path / "data")
+    with serving(sys.executable, tmp_path, env) as url:
+        yield url, env
 
 
 def submit(url: str, env: dict[str, str], path: Path, *args: str) -> subprocess.CompletedProcess:

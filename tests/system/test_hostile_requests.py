@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from conveyor.testing import Stack, download, embedded_serve, submit_batch, wait_for, write_jsonl
-from worker.runtime import ENGINE_FAILED_EXIT
+from conveyor.worker.runtime import ENGINE_FAILED_EXIT
 
 FAULTY_WORKER = str(Path(__file__).with_name("faulty_worker.py"))
 MODEL = "tiny"

@@ -25,7 +25,7 @@ from conveyor.testing import (
     wait_for,
     write_jsonl,
 )
-from worker.runtime import ENGINE_FAILED_EXIT
+from conveyor.worker.runtime import ENGINE_FAILED_EXIT
 
 FAULTY_WORKER = str(Path(__file__).with_name("faulty_worker.py"))
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

@@ -9,12 +9,12 @@ from pathlib import Path
 import httpx
 import sqlalchemy as sa
 
+from conveyor.ledger.db import Ledger
+from conveyor.ledger.models import BatchRow
+from conveyor.ledger.serving import note_serving, unserved_models
 from conveyor.served_names import served_model_names
 from conveyor.settings import normalize_database_url
 from conveyor.testing import Stack, batch_lines, submit_batch, wait_for, write_jsonl
-from ledger.db import Ledger
-from ledger.models import BatchRow
-from ledger.serving import note_serving, unserved_models
 from tests.system.test_metrics import scrape
 
 

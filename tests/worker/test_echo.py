@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from worker.echo import EchoEngine
+from conveyor.worker.echo import EchoEngine
 
 
 def test_echo_answers_everything_in_one_step_by_default():

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from engine import LLM, SamplingParams
+from conveyor.engine import LLM, SamplingParams
+from conveyor.worker.echo import EchoEngine
+from conveyor.worker.engine_service import EngineJob, EngineService
 from tests.hf_reference import random_prompts
-from worker.echo import EchoEngine
-from worker.engine_service import EngineJob, EngineService
 
 ENGINE_KWARGS = dict(device="cpu", dtype="float32", block_size=8, num_kv_blocks=128)
 BAD = "r2"

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from worker.gpu import NoFreeGPU, claim_gpu
+from conveyor.worker.gpu import NoFreeGPU, claim_gpu
 
 HOLD = """
 import sys, time
 from pathlib import Path
-from worker.gpu import claim_gpu
+from conveyor.worker.gpu import claim_gpu
 index, lock = claim_gpu(Path(sys.argv[1]), int(sys.argv[2]))
 print(index, flush=True)
 time.sleep(600)

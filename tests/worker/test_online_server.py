@@ -14,12 +14,12 @@ import pytest
 
 from conveyor.batch_format.token_text import TokenDecoder
 from conveyor.dispatch.online import LocalBus, OnlineMessage
-from engine.errors import RequestFailure
-from engine.outputs import RequestOutput
-from worker.echo import EchoEngine
-from worker.engine_service import EngineJob
-from worker.metrics import ONLINE_ABORTS
-from worker.online import OnlineServer
+from conveyor.engine.errors import RequestFailure
+from conveyor.engine.outputs import RequestOutput
+from conveyor.worker.echo import EchoEngine
+from conveyor.worker.engine_service import EngineJob
+from conveyor.worker.metrics import ONLINE_ABORTS
+from conveyor.worker.online import OnlineServer
 
 QUEUE = "conveyor.online.test"
 
@@ -168,7 +168,7 @@ def test_a_500_tells_the_request_id_and_no_internals(served, caplog):
     bus, _, server = served
     server.engine.tokenizer = VocabTokenizer(failing=13)
     message = OnlineMessage("detokenize", {"tokens": [13]}, time.time() + 60)
-    with caplog.at_level(logging.ERROR, logger="worker.online"):
+    with caplog.at_level(logging.ERROR, logger="conveyor.worker.online"):
         bus.send(QUEUE, message)
         answer = answer_of(bus, message)
     error = answer["body"]["error"]

@@ -8,14 +8,14 @@ import time
 import sqlalchemy as sa
 
 from conveyor.batch_format.errors import INTERNAL_ERROR
+from conveyor.ledger.db import Ledger
+from conveyor.ledger.models import BatchRow, ResultRow, ShardRow
+from conveyor.ledger.results import counts
+from conveyor.ledger.shard_lifecycle import claim_shard
 from conveyor.settings import normalize_database_url
 from conveyor.testing import batch_lines
-from ledger.db import Ledger
-from ledger.models import BatchRow, ResultRow, ShardRow
-from ledger.results import counts
-from ledger.shard_lifecycle import claim_shard
+from conveyor.worker.writer import PendingResults, ResultWriter, WriteItem
 from tests.ledger.test_ledger import make_batch, tally_results
-from worker.writer import PendingResults, ResultWriter, WriteItem
 
 
 def output_row(batch_id: str, request_id: int, custom_id: str, text: str) -> dict:
@@ -52,7 +52,7 @@ def claimed_batch(ledger: Ledger) -> tuple[str, list[tuple[PendingResults, list]
 
 
 def custom_ids(ledger: Ledger, requests: list) -> dict[int, str]:
-    from ledger.models import RequestRow
+    from conveyor.ledger.models import RequestRow
 
     with ledger.session() as session:
         rows = session.execute(

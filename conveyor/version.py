@@ -1,0 +1,3 @@
+"""The version of Conveyor, in one place: the package, the wheel and the API report it."""
+
+__version__ = "0.1.0"
