@@ -199,11 +199,11 @@ def worker_option_env() -> set[str]:
     return {env_name(a) for a in option_actions(sub.choices["worker"])}
 
 
-def readme_settings() -> dict[str, str]:
-    """`| \\`NAME\\` | default | meaning |` rows of README.md: name -> default."""
-    rows = re.findall(
-        r"^\| `([A-Z_][A-Z0-9_<>]*)` \| ([^|]+) \|", (ROOT / "README.md").read_text(), re.M
-    )
+def documented_settings() -> dict[str, str]:
+    """`| \\`NAME\\` | default | meaning |` rows of the documentation's pages (docs/
+    configuration.md, and the pages that explain a group of them): name -> default."""
+    text = "\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
+    rows = re.findall(r"^\| `([A-Z_][A-Z0-9_<>]*)` \| ([^|]+) \|", text, re.M)
     return {name: default.strip() for name, default in rows}
 
 
@@ -286,7 +286,7 @@ def test_compose_service_graph(variant: str) -> None:
 def test_settings_are_documented_and_set() -> None:
     text = COMPOSE.read_text()
     example = env_file(ENV_EXAMPLE)
-    documented = readme_settings()
+    documented = documented_settings()
     worker_env = worker_option_env()
 
     # no secrets in the compose file: the one password is required from .env
@@ -297,9 +297,9 @@ def test_settings_are_documented_and_set() -> None:
     assert required_variables(text) <= set(example)
     for name in set(example) | commented_env_names(ENV_EXAMPLE):
         assert name in compose_vars or name in worker_env or name in documented, name
-    # every variable the code reads has a documented default (README's settings table)
+    # every variable the code reads has a documented default (docs/)
     for name in code_env_reads():
-        assert name in documented, f"{name} is read by the code but not in README's table"
+        assert name in documented, f"{name} is read by the code but not documented in docs/"
     assert "CONVEYOR_<OPTION>" in documented  # the rule for `conveyor worker` options
     assert {"CONVEYOR_MODEL", "CONVEYOR_MAX_NUM_SEQS", "CONVEYOR_DEVICE"} <= worker_env
     # and compose sets what has no usable default inside a container

@@ -5,7 +5,7 @@ One ledger for the module, with one echo worker and two APIs on it: one with aut
 test opens a fresh browser context (a tab with its own sessionStorage) on the one browser.
 
 With CONVEYOR_UI_SCREENSHOT=PATH, the progress test saves the batch list, mid-run, there (the
-README's docs/ui.png).
+docs/ui.png, on the web page's documentation page).
 """
 
 from __future__ import annotations

@@ -1,0 +1,83 @@
+"""MkDocs hook: the pages' generated parts, from the code and the benchmarks' records, so
+nothing is written twice. A page asks for one with a line of its own:
+
+    {{ engine_options }}          every engine flag, its CONVEYOR_<OPTION> form and its help
+    {{ bench_runs NAME }}         the runs recorded in bench/results/NAME.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNS_SHOWN = 12  # the latest runs of a record; the file holds them all
+# the columns shown per record, after its date and code: what each benchmark is for
+BENCH_COLUMNS = {
+    "engine_ceiling": ["dtype", "cpu_isa", "share_of_ceiling", "vs_transformers",
+                       "engine_tokens_per_s"],
+    "engine_vs_hf": ["threads", "ours_tok_s", "hf_tok_s", "ratio"],
+    "eval_scoring": ["requests", "cached_share", "speedup_vs_off", "logprobs_equal"],
+    "gpu_check": ["device", "model", "check", "ok", "seconds"],
+    "grammar_engines": ["llguidance", "xgrammar"],
+    "online_churn": ["cpu_isa", "online_rate_limit", "drops", "refused", "ratio_vs_quiet",
+                     "engine_ratio_vs_quiet", "abort_latency_ms_p50"],
+    "prefix_sharing": ["num_requests", "cached_fraction", "ratio_vs_off", "ratio_vs_hf"],
+    "sampling_features": ["plain_tokens_per_s", "penalties_cost", "structured_cost"],
+    "step_profile": ["dtype", "attention", "sequences", "decode_ms", "prefill_ms"],
+    "triton_decode_sweep": ["device", "DECODE_BLOCK_N", "DECODE_NUM_WARPS",
+                            "DECODE_NUM_STAGES", "share_of_copy"],
+}  # fmt: skip
+MARKER = re.compile(r"^\{\{ (engine_options|bench_runs) ?([a-z_]*) \}\}$", re.M)
+
+
+def on_page_markdown(markdown: str, **_: object) -> str:
+    return MARKER.sub(lambda m: _render(m.group(1), m.group(2)), markdown)
+
+
+def _render(kind: str, arg: str) -> str:
+    return engine_options() if kind == "engine_options" else bench_runs(arg)
+
+
+def engine_options() -> str:
+    """The table of `conveyor worker`'s engine flags, from the parser `--help` prints."""
+    from conveyor.cli.engine_options import add_engine_arguments
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    rows = ["| flag | environment (`conveyor worker`, `serve`) | meaning |", "|---|---|---|"]
+    for action in parser._action_groups[-1]._group_actions:
+        flag = action.option_strings[0]
+        env = "CONVEYOR_" + action.dest.upper()
+        rows.append(f"| `{flag}` | `{env}` | {_cell(action.help or '')} |")
+    return "\n".join(rows)
+
+
+def bench_runs(name: str) -> str:
+    path = ROOT / "bench" / "results" / f"{name}.jsonl"
+    runs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    columns = ["date", "code", *BENCH_COLUMNS[name]]
+    rows = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for run in runs[-RUNS_SHOWN:]:
+        rows.append("| " + " | ".join(_cell(_value(run.get(c))) for c in columns) + " |")
+    shown = min(len(runs), RUNS_SHOWN)
+    return (
+        "\n".join(rows)
+        + f"\n\nThe latest {shown} of {len(runs)} runs in `bench/results/{name}.jsonl`."
+    )
+
+
+def _value(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, dict | list):
+        return json.dumps(value)
+    return str(value)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
