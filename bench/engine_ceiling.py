@@ -36,9 +36,11 @@ import argparse
 import statistics
 import time
 from dataclasses import dataclass
+from datetime import date
 
 import torch
 from engine_vs_hf import Workload, make_workload, run_hf, time_linear
+from machine import cpu_isa, git_state, loadavg
 from random_llama import BenchModel, ModelShape, add_model_arguments, add_run_arguments, set_up
 from report import print_result, rule, table
 
@@ -191,6 +193,10 @@ def report(args, rounds: list[Round], ceiling: float, dtype) -> dict:
         "vs_transformers_rounds": [round(x, 2) for x in ratios],
         "goal_ceiling_met": share >= GOAL_CEILING,
         "goal_vs_hf_met": vs_hf >= GOAL_VS_HF,
+        "cpu_isa": cpu_isa(),
+        "loadavg": loadavg(),
+        "date": date.today().isoformat(),
+        "code": git_state(),
     }
     print_result(result)
     return result
