@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from dataclasses import replace
 from typing import IO, Any
 
@@ -70,8 +71,12 @@ def start_runtime(
     return runtime
 
 
-def consume(runtime: WorkerRuntime, concurrency: int, loglevel: str = "INFO") -> None:
-    """Run the Celery worker in this thread until it is told to stop (SIGTERM, Ctrl-C)."""
+def consume(
+    runtime: WorkerRuntime, concurrency: int, loglevel: str = "INFO", command: str = "worker"
+) -> None:
+    """Run the Celery worker in this thread until it is told to stop: SIGTERM (a supervisor's
+    stop) gives running shards CONVEYOR_SHUTDOWN_TIMEOUT to finish; Ctrl-C hands them back and
+    ends the process at once (`WorkerRuntime.interrupt`)."""
     node = f"{runtime.name}@{socket.gethostname()}"
     argv = [
         "worker",
@@ -86,8 +91,11 @@ def consume(runtime: WorkerRuntime, concurrency: int, loglevel: str = "INFO") ->
     log.info("worker %s serving %s on %s", runtime.name, runtime.model_names, runtime.queues)
 
     @worker_shutting_down.connect(weak=False)
-    def _shutting_down(**_: Any) -> None:
-        runtime.begin_shutdown(runtime.settings.shutdown_timeout)
+    def _shutting_down(sig: str = "", **_: Any) -> None:
+        if sig == "SIGINT":
+            threading.Thread(target=runtime.interrupt, args=(command,), daemon=True).start()
+        else:
+            runtime.begin_shutdown(runtime.settings.shutdown_timeout)
 
     os.environ.setdefault("FORKED_BY_MULTIPROCESSING", "1")
     runtime.app.worker_main(argv)

@@ -147,7 +147,15 @@ def _follow(args: argparse.Namespace, get_batch: Callable[[Any], dict], wait: bo
             print(batch["id"], flush=True)
             if not wait:
                 return EXIT_OK if batch["status"] != BatchStatus.FAILED else _report_failed(batch)
-            return wait_and_download(client, batch["id"], args)
+            try:
+                return wait_and_download(client, batch["id"], args)
+            except KeyboardInterrupt:
+                print(
+                    f"{PROG} submit: interrupted; batch {batch['id']} goes on: `{PROG} submit "
+                    f"--resume {batch['id']}` waits for it again",
+                    file=sys.stderr,
+                )
+                return EXIT_INTERRUPTED
     except (APIError, OSError) as err:
         return fail("submit", str(err))
     except Exception as err:  # httpx transport errors

@@ -177,7 +177,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     thread = threading.Thread(target=server.run, name="conveyor-api", daemon=True)
     thread.start()
     try:
-        consume(runtime, args.concurrency)  # the Celery worker wants the main thread
+        consume(runtime, args.concurrency, command="serve")  # Celery wants the main thread
     finally:
         server.should_exit = True
         thread.join(timeout=10)
@@ -187,21 +187,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _api_server(settings: Any, host: str, port: int) -> Any:
     """The API's uvicorn server, not yet running."""
-    import uvicorn
+    from conveyor.api.server import api_server
 
-    from conveyor.api.app import create_app
-
-    app = create_app(settings)
-    # SIGTERM: stop accepting, let requests in flight finish (up to 30 s), then exit
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level="info",
-        log_config=None,  # uvicorn's lines go through our handler (text or JSON)
-        timeout_graceful_shutdown=30,
-    )
-    return uvicorn.Server(config)
+    return api_server(settings, host, port)
 
 
 def _embedded_model(settings: Any, args: argparse.Namespace) -> tuple[str, list[str]]:

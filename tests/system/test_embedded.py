@@ -23,9 +23,9 @@ EXIT_TOO_MANY_FAILED = 6
 
 
 @contextlib.contextmanager
-def serving(python: str, root: Path, env: dict[str, str]) -> Iterator[str]:
-    """`PYTHON -m conveyor serve` on embedded defaults in `root`; yields its URL once it
-    answers."""
+def serving(python: str, root: Path, env: dict[str, str]) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`PYTHON -m conveyor serve` on embedded defaults in `root`; yields its URL and process
+    once it answers."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = root / "serve.log"
@@ -51,7 +51,7 @@ def serving(python: str, root: Path, env: dict[str, str]) -> Iterator[str]:
                 pass
             assert time.time() < deadline, "serve did not start:\n" + log_path.read_text()
             time.sleep(0.3)
-        yield url
+        yield url, proc
     finally:
         stop_group(proc)
 
@@ -66,7 +66,7 @@ def embedded_env(data_dir: Path) -> dict[str, str]:
 def embedded(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
     """(URL of a running embedded service, the environment it and its clients use)."""
     env = embedded_env(tmp_path / "data")
-    with serving(sys.executable, tmp_path, env) as url:
+    with serving(sys.executable, tmp_path, env) as (url, _):
         yield url, env
 
 

@@ -117,7 +117,7 @@ def test_installed_serve_answers_a_batch(venv_python: Path, tmp_path: Path) -> N
     """The README's first command, from the wheel: `conveyor serve` on embedded defaults (its
     demo model) answers a batch that `conveyor submit --wait` sends."""
     env = embedded_env(tmp_path / "data") | {"XDG_CACHE_HOME": str(tmp_path / "cache")}
-    with serving(str(venv_python), tmp_path, env) as url:
+    with serving(str(venv_python), tmp_path, env) as (url, _):
         lines = batch_lines(4, max_tokens=4)
         for line in lines:
             del line["body"]["model"]  # `--model demo` fills it in
