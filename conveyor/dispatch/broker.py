@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 
 import redis
+import sqlalchemy as sa
 
-from conveyor.dispatch.queues import QUEUE_PREFIX, is_redis_url, queue_owner
+from conveyor.dispatch.queues import EMBEDDED_SCHEME, QUEUE_PREFIX, is_redis_url, queue_owner
 
 # kombu's Redis transport keeps delivered, unacknowledged messages in this hash, and the time
 # of each delivery in this sorted set (both keyed by delivery tag)
@@ -30,7 +32,8 @@ def _task_id(payload: bytes | str) -> str | None:
 def live_task_ids(
     broker_url: str, live_workers: set[str] | None = None, delivered_within: float | None = None
 ) -> set[str] | None:
-    """Task ids held by a Redis broker; None for a broker we cannot look into.
+    """Task ids held by the broker (Redis, or the embedded SQLite one); None for a broker we
+    cannot look into.
 
     What waits in the own queue of a worker not in `live_workers` does not count: nobody will
     read it, so the reconciler re-sends those shards (the queue itself is left alone: a broker
@@ -39,6 +42,8 @@ def live_task_ids(
     takes at once (prefetch is off), so an older one whose shard never started was taken by a
     worker that died.
     """
+    if broker_url.startswith(EMBEDDED_SCHEME):
+        return _waiting_in_embedded_broker(broker_url, live_workers)
     if not is_redis_url(broker_url):
         return None
     client = redis.Redis.from_url(broker_url)
@@ -47,12 +52,8 @@ def live_task_ids(
         for key in client.scan_iter(match=QUEUE_PREFIX + "*", count=1000):
             if client.type(key) != b"list":
                 continue
-            owner = queue_owner(key.decode(errors="replace"))
-            if owner is not None and live_workers is not None and owner not in live_workers:
-                continue
-            for payload in client.lrange(key, 0, -1):
-                if (tid := _task_id(payload)) is not None:
-                    ids.add(tid)
+            if _read(key.decode(errors="replace"), live_workers):
+                ids.update(_task_ids(client.lrange(key, 0, -1)))
         cutoff = None if delivered_within is None else time.time() - delivered_within
         delivered_at = dict(client.zrange(UNACKED_INDEX_KEY, 0, -1, withscores=True))
         for tag, payload in client.hgetall(UNACKED_KEY).items():
@@ -63,6 +64,37 @@ def live_task_ids(
         return ids
     finally:
         client.close()
+
+
+def _read(queue: str, live_workers: set[str] | None) -> bool:
+    """Whether someone will read `queue`: not the own queue of a worker that is gone."""
+    owner = queue_owner(queue)
+    return owner is None or live_workers is None or owner in live_workers
+
+
+def _task_ids(payloads: Iterable[bytes | str]) -> set[str]:
+    return {tid for payload in payloads if (tid := _task_id(payload)) is not None}
+
+
+def _waiting_in_embedded_broker(broker_url: str, live_workers: set[str] | None) -> set[str]:
+    """Task ids of the messages waiting in kombu's SQLAlchemy broker (the embedded one). It
+    never delivers a taken message again, acknowledged or not, so a taken one carries nothing:
+    a worker starts what it takes at once, and a shard still queued long after its message was
+    taken lost it with a worker that stopped."""
+    engine = sa.create_engine(broker_url.removeprefix(EMBEDDED_SCHEME))
+    try:
+        with engine.connect() as conn:
+            if not sa.inspect(conn).has_table("kombu_message"):
+                return set()
+            rows = conn.execute(
+                sa.text(
+                    "SELECT q.name, m.payload FROM kombu_message m "
+                    "JOIN kombu_queue q ON q.id = m.queue_id WHERE m.visible"
+                )
+            )
+            return _task_ids(payload for queue, payload in rows if _read(queue, live_workers))
+    finally:
+        engine.dispose()
 
 
 def ping(broker_url: str) -> None:

@@ -10,18 +10,32 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from celery import Celery
+from kombu.transport import sqlalchemy as sqlalchemy_transport
 
-from conveyor.dispatch.queues import QUEUE_PREFIX, is_redis_url
+from conveyor.dispatch.queues import EMBEDDED_SCHEME, QUEUE_PREFIX, is_redis_url
 from conveyor.ledger.shard_lifecycle import ShardTask
 from conveyor.settings import Settings
 
 RUN_SHARD = "conveyor.run_shard"
 
 
+class EmbeddedBroker(sqlalchemy_transport.Transport):
+    """kombu's SQLAlchemy transport (the embedded SQLite broker), polling every 0.2 s instead
+    of every second: a worker then takes a new shard sooner, and its consumer loop ends within
+    a fraction of a second of Ctrl-C. (That transport hands its options to `create_engine`, so
+    `polling_interval` cannot go there.)"""
+
+    polling_interval = 0.2
+
+
 def make_celery(settings: Settings, tasks: Sequence[str] = ()) -> Celery:
     """The app for `settings`' broker; a worker names the modules of its `tasks` (senders need
     none: they send by task name)."""
-    app = Celery("conveyor", broker=settings.broker_url, include=list(tasks))
+    broker = settings.broker_url
+    embedded = broker.startswith(EMBEDDED_SCHEME)
+    app = Celery("conveyor", broker=broker.removeprefix(EMBEDDED_SCHEME), include=list(tasks))
+    if embedded:
+        app.conf.broker_transport = EmbeddedBroker
     # the Redis transport reads the visibility timeout from its transport options (kombu's
     # SQLAlchemy transport, the embedded broker, hands its options to create_engine instead)
     redis = is_redis_url(settings.broker_url)

@@ -9,6 +9,7 @@ import re
 QUEUE_PREFIX = "conveyor.model."
 AFFINITY_SEP = ".w."  # a worker's own queue for a model: <model queue>.w.<worker name>
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+EMBEDDED_SCHEME = "sqla+"  # kombu's SQLAlchemy transport: the embedded SQLite broker
 
 
 def is_redis_url(url: str) -> bool:
