@@ -12,7 +12,12 @@ from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from conveyor.batch_format.errors import DATABASE_UNAVAILABLE, INVALID_REQUEST, NOT_FOUND
+from conveyor.batch_format.errors import (
+    DATABASE_UNAVAILABLE,
+    INVALID_REQUEST,
+    NOT_FOUND,
+    error_body,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +54,7 @@ def not_found(kind: str, object_id: str) -> APIError:
 
 
 def _body(message: str, type: str, code: str | None = None, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return error_body(message, code, param, type=type)
 
 
 def install(app: FastAPI) -> None:

@@ -35,6 +35,7 @@ from conveyor.batch_format.errors import (
     INVALID_REQUEST,
     MODEL_UNAVAILABLE,
     BatchRequestError,
+    error_body,
 )
 from conveyor.batch_format.request_line import (
     OnlineRequest,
@@ -330,11 +331,7 @@ def error_answer(
     status: int, message: str, code: str | None = None, param: str | None = None
 ) -> dict[str, Any]:
     """An answer in OpenAI's error shape, with the HTTP status it stands for."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return {
-        "status": status,
-        "body": {"error": {"message": message, "type": kind, "param": param, "code": code}},
-    }
+    return {"status": status, "body": error_body(message, code, param, status=status)}
 
 
 def internal_error_answer(request_id: str) -> dict[str, Any]:

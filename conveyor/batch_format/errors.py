@@ -84,6 +84,20 @@ class FileLimitError(Exception):
         super().__init__(message)
 
 
+def error_body(
+    message: str,
+    code: str | None = None,
+    param: str | None = None,
+    *,
+    status: int = 400,
+    type: str | None = None,
+) -> dict[str, Any]:
+    """OpenAI's error object, as every answer and error line carries it: its `type` is
+    `invalid_request_error` for a 4xx and `server_error` for a 5xx, unless given."""
+    kind = type or ("invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 def describe(value: Any, limit: int = 60) -> str:
     """`value` as an error message quotes it: JSON, cut to `limit` characters."""
     try:

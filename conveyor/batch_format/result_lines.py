@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from conveyor.batch_format.errors import BatchRequestError
+from conveyor.batch_format.errors import BatchRequestError, error_body
 from conveyor.batch_format.request_line import ParsedRequest
 from conveyor.batch_format.responses import chat_completion_body, new_id, text_completion_body
 from conveyor.batch_format.token_text import TokenDecoder
@@ -54,14 +54,7 @@ def build_error_line(
         response = {
             "status_code": status_code,
             "request_id": new_id(),
-            "body": {
-                "error": {
-                    "message": message,
-                    "type": "invalid_request_error" if status_code < 500 else "server_error",
-                    "param": param,
-                    "code": code,
-                }
-            },
+            "body": error_body(message, code, param, status=status_code),
         }
     return {
         "id": f"batch_req_{new_id()}",
