@@ -20,7 +20,9 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 API_OUTAGE_TOLERANCE = 300.0  # seconds a waiting client rides out an unreachable API
 
 
-class APIError(Exception):
+class ServiceError(Exception):
+    """The service answered with an error (the API's own is `conveyor.api.errors.APIError`)."""
+
     def __init__(self, status: int, message: str, code: str | None = None) -> None:
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
@@ -52,7 +54,7 @@ class ConveyorClient:
                 message, code = error["message"], error.get("code")
             except (ValueError, KeyError, TypeError, AttributeError):
                 message = response.text[:500]
-            raise APIError(response.status_code, message, code)
+            raise ServiceError(response.status_code, message, code)
         return response
 
     def wait_ready(self, timeout: float) -> None:
@@ -65,7 +67,7 @@ class ConveyorClient:
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                raise APIError(
+                raise ServiceError(
                     503, f"the API at {self.base_url} was not ready after {timeout:.0f}s"
                 )
             time.sleep(0.5)
@@ -122,7 +124,7 @@ class ConveyorClient:
         file = self.upload(path)
         try:
             batch = self.create_batch(file["id"], endpoint, window, metadata, idempotency_key)
-        except APIError as err:
+        except ServiceError as err:
             if err.code != IDEMPOTENCY_KEY_REUSED or not idempotency_key:
                 raise
             batch = self.batch_for_key(idempotency_key)
@@ -148,8 +150,8 @@ class ConveyorClient:
         while True:
             try:
                 return self.batch(batch_id)
-            except (httpx.TransportError, APIError) as err:
-                if isinstance(err, APIError) and err.status < 500:
+            except (httpx.TransportError, ServiceError) as err:
+                if isinstance(err, ServiceError) and err.status < 500:
                     raise
                 if time.monotonic() > deadline:
                     raise

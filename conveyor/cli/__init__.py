@@ -1,8 +1,9 @@
 """The `conveyor` command line.
 
 Its subcommands live by audience: `offline` (the engine in this process), `server` (what runs
-the service) and `client` (what talks to its API). Each subcommand has an `add_<name>` function
-that declares its arguments and a `cmd_<name>` function that runs it and returns the exit code.
+the service) and `client_commands` (what talks to its API through `conveyor.client`). Each
+subcommand has an `add_<name>` function that declares its arguments and a `cmd_<name>` function
+that runs it and returns the exit code.
 Heavy imports (torch, the engine, the service) happen inside the command functions so that
 `conveyor --help` stays fast.
 """
@@ -13,7 +14,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from conveyor.cli import client, offline, server
+from conveyor.cli import client_commands, offline, server
 from conveyor.cli.common import EXIT_INTERRUPTED, PROG
 from conveyor.version import __version__
 
@@ -23,11 +24,11 @@ SUBCOMMANDS = [
     server.add_migrate,
     server.add_serve,
     server.add_worker,
-    client.add_submit,
-    client.add_status,
-    client.add_results,
-    client.add_cancel,
-    client.add_eval,
+    client_commands.add_submit,
+    client_commands.add_status,
+    client_commands.add_results,
+    client_commands.add_cancel,
+    client_commands.add_eval,
     server.add_ready,
     server.add_keys,
 ]

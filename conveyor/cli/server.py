@@ -320,11 +320,11 @@ def add_ready(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_ready(args: argparse.Namespace) -> int:
-    from conveyor.client import APIError, ConveyorClient
+    from conveyor.client import ConveyorClient, ServiceError
 
     try:
         with ConveyorClient(args.url) as client:
             client.wait_ready(args.timeout)
-    except APIError as err:
+    except ServiceError as err:
         return fail("ready", str(err))
     return EXIT_OK

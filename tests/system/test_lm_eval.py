@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conveyor.cli.client import lm_eval_argv
+from conveyor.cli.client_commands import lm_eval_argv
 from conveyor.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 from conveyor.testing import Stack, embedded_serve
 

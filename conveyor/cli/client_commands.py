@@ -137,7 +137,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def _follow(args: argparse.Namespace, get_batch: Callable[[Any], dict], wait: bool) -> int:
     """Print the id of the batch `get_batch` gives; with `wait`, wait for it and download its
     results, else report whether it was accepted."""
-    from conveyor.client import APIError, ConveyorClient
+    from conveyor.client import ConveyorClient, ServiceError
 
     try:
         with ConveyorClient(args.url) as client:
@@ -156,7 +156,7 @@ def _follow(args: argparse.Namespace, get_batch: Callable[[Any], dict], wait: bo
                     file=sys.stderr,
                 )
                 return EXIT_INTERRUPTED
-    except (APIError, OSError) as err:
+    except (ServiceError, OSError) as err:
         return fail("submit", str(err))
     except Exception as err:  # httpx transport errors
         return fail("submit", f"{type(err).__name__}: {err}")
@@ -224,12 +224,12 @@ def add_status(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from conveyor.client import APIError, ConveyorClient
+    from conveyor.client import ConveyorClient, ServiceError
 
     try:
         with ConveyorClient(args.url) as client:
             print(json.dumps(client.batch(args.batch_id), indent=2))
-    except (APIError, OSError) as err:
+    except (ServiceError, OSError) as err:
         return fail("status", str(err))
     return EXIT_OK
 
@@ -243,13 +243,13 @@ def add_results(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_results(args: argparse.Namespace) -> int:
-    from conveyor.client import APIError, ConveyorClient
+    from conveyor.client import ConveyorClient, ServiceError
 
     try:
         with ConveyorClient(args.url) as client:
             for line in client.results(args.batch_id, args.after):
                 print(json.dumps(line, ensure_ascii=False))
-    except (APIError, OSError) as err:
+    except (ServiceError, OSError) as err:
         return fail("results", str(err))
     return EXIT_OK
 
@@ -262,12 +262,12 @@ def add_cancel(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from conveyor.client import APIError, ConveyorClient
+    from conveyor.client import ConveyorClient, ServiceError
 
     try:
         with ConveyorClient(args.url) as client:
             batch = client.cancel(args.batch_id)
-    except (APIError, OSError) as err:
+    except (ServiceError, OSError) as err:
         return fail("cancel", str(err))
     print(f"batch {batch['id']} is {batch['status']}")
     return EXIT_OK
@@ -348,7 +348,7 @@ def lm_eval_argv(args: list[str]) -> list[str]:
 def cmd_eval(args: argparse.Namespace) -> int:
     import httpx
 
-    from conveyor.client import DEFAULT_URL, APIError
+    from conveyor.client import DEFAULT_URL, ServiceError
 
     argv = lm_eval_argv(list(args.lm_eval_args))
     if "-h" in argv or "--help" in argv or argv == ["lm-eval", "run", "--model", "conveyor"]:
@@ -369,7 +369,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return done.code if isinstance(done.code, int) else EXIT_ERROR if done.code else EXIT_OK
     except EvaluationError as err:
         return fail("eval", str(err))
-    except APIError as err:
+    except ServiceError as err:
         return fail("eval", str(err))
     except httpx.HTTPError as err:
         where = ""
