@@ -28,6 +28,7 @@ import pytest
 from conveyor.cli.client_commands import lm_eval_argv
 from conveyor.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 from conveyor.testing import Stack, embedded_serve
+from tests.system.test_interrupt import PROMPT_SECONDS
 
 TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
 TASKS = "conveyor_mc,conveyor_gen,conveyor_rolling"
@@ -202,13 +203,16 @@ def test_rerunning_conveyor_eval_attaches_to_its_batches(
     try:
         waiting = wait_for_batches(api, 3)
         time.sleep(0.5)
+        interrupted = time.monotonic()
         first.send_signal(signal.SIGINT)  # Ctrl-C while it waits
         _, stderr = first.communicate(timeout=60)
+        took = time.monotonic() - interrupted
     finally:
         if first.poll() is None:
             first.kill()
             first.wait(10)
     assert first.returncode == EXIT_INTERRUPTED, stderr[-3000:]
+    assert took < PROMPT_SECONDS, f"conveyor eval took {took:.1f} s to stop"
     assert "run the same command again" in stderr
     assert sorted(b["request_counts"]["total"] for b in waiting) == [8, 50, 50]
     interrupted = {b["id"] for b in waiting}
