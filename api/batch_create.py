@@ -19,7 +19,7 @@ from conveyor.batch_format.errors import IDEMPOTENCY_KEY_REUSED, INVALID_REQUEST
 from conveyor.batch_format.validation import Validation, validate
 from conveyor.dispatch.celery_app import send_shards
 from conveyor.dispatch.queues import queue_for
-from conveyor.dispatch.routing import Router, live_workers
+from conveyor.dispatch.routing import Router
 from conveyor.ledger.batch_lifecycle import NewBatch, open_batch
 from conveyor.ledger.ids import new_batch_id
 from conveyor.ledger.locks import lock_project_batches
@@ -27,6 +27,7 @@ from conveyor.ledger.models import BatchRow
 from conveyor.ledger.serving import note_new_batch
 from conveyor.ledger.shard_lifecycle import ShardTask, mark_enqueued
 from conveyor.ledger.states import TERMINAL
+from conveyor.ledger.workers import workers_by_queue
 from conveyor.settings import window_seconds
 
 log = logging.getLogger(__name__)
@@ -183,7 +184,7 @@ def _open(state: AppState, new: NewBatch, f: IO[bytes], validation: Validation) 
         batch, shards = open_batch(
             session, new, f, validation, settings.shard_size, queue, settings.heartbeat_timeout
         )
-        workers = live_workers(session, settings.heartbeat_timeout)
+        workers = workers_by_queue(session, settings.heartbeat_timeout)
         tasks = Router(workers, settings.broker_url, settings.affinity_backlog).route(
             mark_enqueued(session, shards)
         )

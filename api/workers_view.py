@@ -3,7 +3,6 @@ engine stats its heartbeat writes there, and the shards waiting or running per m
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from typing import Any
 
@@ -13,15 +12,10 @@ from sqlalchemy.orm import Session
 from conveyor.api import schemas
 from conveyor.ledger.models import BatchRow, ShardRow, WorkerRow
 from conveyor.ledger.states import BatchStatus, ShardStatus
+from conveyor.ledger.workers import live_worker_rows
 
 
-def _live(session: Session, heartbeat_timeout: float) -> list[WorkerRow]:
-    cutoff = time.time() - heartbeat_timeout
-    query = select(WorkerRow).where(WorkerRow.last_seen >= cutoff).order_by(WorkerRow.id)
-    return list(session.execute(query).scalars())
-
-
-def live_workers(session: Session, heartbeat_timeout: float) -> schemas.WorkerList:
+def worker_list(session: Session, heartbeat_timeout: float) -> schemas.WorkerList:
     """Every worker seen within `heartbeat_timeout`, with its engine's state."""
     shards = dict(
         session.execute(
@@ -31,7 +25,10 @@ def live_workers(session: Session, heartbeat_timeout: float) -> schemas.WorkerLi
         ).all()
     )
     return schemas.WorkerList(
-        data=[_worker(row, shards.get(row.id, 0)) for row in _live(session, heartbeat_timeout)]
+        data=[
+            _worker(row, shards.get(row.id, 0))
+            for row in live_worker_rows(session, heartbeat_timeout)
+        ]
     )
 
 
@@ -83,7 +80,7 @@ def _plan(value: object) -> schemas.EnginePlan | None:
 def model_queues(session: Session, project: str, heartbeat_timeout: float) -> schemas.QueueList:
     """Per model that live workers serve or the project's work waits for: its live workers,
     and the project's queued and running shards and batches in progress."""
-    workers = Counter(m for row in _live(session, heartbeat_timeout) for m in row.models)
+    workers = Counter(m for row in live_worker_rows(session, heartbeat_timeout) for m in row.models)
     shards = session.execute(
         select(BatchRow.model, ShardRow.status, func.count(), func.sum(ShardRow.size))
         .join(BatchRow, BatchRow.id == ShardRow.batch_id)

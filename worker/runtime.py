@@ -20,8 +20,6 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from sqlalchemy import update
-
 from conveyor.batch_format.errors import INTERNAL_ERROR, REQUEST_QUARANTINED, BatchRequestError
 from conveyor.batch_format.request_line import (
     ParsedRequest,
@@ -41,7 +39,6 @@ from conveyor.dispatch.queues import queue_for, worker_queue
 from conveyor.dispatch.reconciler import ReconcilerLoop, reconcile
 from conveyor.engine_request import engine_error, internal_error, prepare_request
 from conveyor.ledger.db import Ledger
-from conveyor.ledger.models import WorkerRow
 from conveyor.ledger.results import result_row
 from conveyor.ledger.shard_lifecycle import (
     ClaimedShard,
@@ -53,6 +50,7 @@ from conveyor.ledger.shard_lifecycle import (
     shard_heartbeat,
 )
 from conveyor.ledger.states import BatchStatus
+from conveyor.ledger.workers import announce, withdraw
 from conveyor.logs import bind, log_context
 from conveyor.settings import Settings
 from conveyor.worker.engine_service import EngineJob, EngineService
@@ -168,16 +166,8 @@ class WorkerRuntime:
             if self.engine_failed.is_set():
                 return
             with self.ledger.session() as session:
-                session.merge(
-                    WorkerRow(
-                        id=self.name,
-                        models=self.model_names,
-                        queues=self.queues,
-                        started_at=self.started_at,
-                        last_seen=time.time(),
-                        stats=self.stats(),
-                    )
-                )
+                announce(session, self.name, self.model_names, self.queues, self.started_at,
+                         self.stats())  # fmt: skip
 
     def _withdraw(self) -> None:
         """No longer announce this worker: `GET /v1/models` and shard routing drop it. Its
@@ -186,9 +176,7 @@ class WorkerRuntime:
         with self._registration:
             try:
                 with self.ledger.session() as session:
-                    session.execute(
-                        update(WorkerRow).where(WorkerRow.id == self.name).values(last_seen=0.0)
-                    )
+                    withdraw(session, self.name)
             except Exception:
                 log.warning("could not deregister worker %s", self.name)
 

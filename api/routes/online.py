@@ -21,7 +21,6 @@ from fastapi import APIRouter, Body, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from sqlalchemy import select
 from starlette.responses import Response
 
 from conveyor.api import schemas
@@ -41,7 +40,7 @@ from conveyor.batch_format.errors import (
 from conveyor.batch_format.request_line import parse_online_body, validation_message
 from conveyor.dispatch.online import AnswerTimeout, OnlineMessage, online_queue
 from conveyor.dispatch.queues import queue_for
-from conveyor.ledger.models import WorkerRow
+from conveyor.ledger.workers import served_models
 
 ONLINE_ERRORS = schemas.error_responses(404, 413, 422, 503, 504)
 ANSWERS = {
@@ -212,13 +211,8 @@ async def _queue_of(state: AppState, model: str | None) -> str:
 
 def _served_models(state: AppState) -> tuple[set[str], set[str]]:
     """(models of live workers, models of workers that went silent)."""
-    cutoff = time.time() - state.settings.heartbeat_timeout
-    live: set[str] = set()
-    known: set[str] = set()
     with state.ledger.reads() as session:
-        for models, last_seen in session.execute(select(WorkerRow.models, WorkerRow.last_seen)):
-            (live if last_seen >= cutoff else known).update(models)
-    return live, known
+        return served_models(session, state.settings.heartbeat_timeout)
 
 
 def _checked(model_cls: type[TokenizeBody] | type[DetokenizeBody], body: dict[str, Any]):

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import time
-
 from fastapi import APIRouter, Depends
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
-from sqlalchemy import select, text
+from sqlalchemy import text
 
 from conveyor.api import schemas
 from conveyor.api.deps import SessionDep, StateDep, get_project
 from conveyor.api.guard import KeyedRoute
 from conveyor.dispatch.broker import ping
-from conveyor.ledger.models import WorkerRow
 from conveyor.ledger.serving import unserved_models
+from conveyor.ledger.workers import live_worker_rows
 
 router = APIRouter(tags=["system"])
 models = APIRouter(tags=["system"], route_class=KeyedRoute)  # wants a key, as every /v1 route
@@ -58,9 +56,8 @@ async def readyz(state: StateDep):
     responses=schemas.error_responses(401),
 )
 def list_models(state: StateDep, session: SessionDep) -> schemas.ModelList:
-    cutoff = time.time() - state.settings.heartbeat_timeout
     models: dict[str, schemas.Model] = {}
-    for worker in session.execute(select(WorkerRow).where(WorkerRow.last_seen >= cutoff)).scalars():
+    for worker in live_worker_rows(session, state.settings.heartbeat_timeout):
         for name in worker.models:
             if name in models:
                 models[name].workers += 1

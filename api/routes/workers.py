@@ -18,7 +18,7 @@ async def list_workers(state: StateDep) -> schemas.WorkerList:
     models, device and engine state as of its last heartbeat. Workers serve every project, so
     any valid key sees them all."""
     timeout = state.settings.heartbeat_timeout
-    return await read_in_session(state, workers_view.live_workers, timeout)
+    return await read_in_session(state, workers_view.worker_list, timeout)
 
 
 @router.get("/v1/queues", response_model=schemas.QueueList)

@@ -22,12 +22,13 @@ from celery import Celery
 from conveyor.dispatch.broker import live_task_ids
 from conveyor.dispatch.celery_app import send_shards
 from conveyor.dispatch.queues import is_redis_url, queue_for
-from conveyor.dispatch.routing import Router, live_workers
+from conveyor.dispatch.routing import Router
 from conveyor.ledger.batch_lifecycle import advance, batches_with_status
 from conveyor.ledger.db import Ledger
 from conveyor.ledger.serving import note_serving
 from conveyor.ledger.shard_lifecycle import mark_enqueued, shards_to_enqueue
 from conveyor.ledger.states import BatchStatus
+from conveyor.ledger.workers import workers_by_queue
 from conveyor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ def _reconcile(ledger: Ledger, app: Celery, settings: Settings) -> ReconcileRepo
             if advance(session, batch_id, settings.heartbeat_timeout):
                 report.finalized += 1
     with ledger.session() as session:
-        workers = live_workers(session, settings.heartbeat_timeout)
+        workers = workers_by_queue(session, settings.heartbeat_timeout)
         note_serving(session, lambda model: queue_for(model) in workers)
     grace = max(5.0, settings.heartbeat_timeout)
     names = {w for names in workers.values() for w in names}

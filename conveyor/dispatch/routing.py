@@ -11,15 +11,11 @@ what was in it, and the hash moves its prefixes to the remaining workers.
 from __future__ import annotations
 
 import hashlib
-import time
-from collections import Counter, defaultdict
+from collections import Counter
 
 import redis
-from sqlalchemy import select
-from sqlalchemy.orm import Session
 
 from conveyor.dispatch.queues import is_redis_url, worker_queue
-from conveyor.ledger.models import WorkerRow
 from conveyor.ledger.shard_lifecycle import ShardTask
 
 DEFAULT_BACKLOG = 16  # shards waiting in one worker's own queue before others get the overflow
@@ -28,16 +24,6 @@ DEFAULT_BACKLOG = 16  # shards waiting in one worker's own queue before others g
 def owner(prefix_key: str, workers: list[str]) -> str:
     """Rendezvous (highest random weight) hashing: stable as workers come and go."""
     return max(workers, key=lambda w: hashlib.blake2b(f"{prefix_key}|{w}".encode()).digest())
-
-
-def live_workers(session: Session, heartbeat_timeout: float) -> dict[str, list[str]]:
-    """Model queue -> names of the live workers that consume it."""
-    cutoff = time.time() - heartbeat_timeout
-    by_queue: dict[str, list[str]] = defaultdict(list)
-    for worker in session.execute(select(WorkerRow).where(WorkerRow.last_seen >= cutoff)).scalars():
-        for queue in worker.queues:
-            by_queue[queue].append(worker.id)
-    return dict(by_queue)
 
 
 class Router:

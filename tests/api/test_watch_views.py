@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from conveyor.api import batch_summary
 from conveyor.api.errors import APIError
-from conveyor.api.workers_view import live_workers, model_queues
+from conveyor.api.workers_view import model_queues, worker_list
 from conveyor.ledger.db import Ledger
 from conveyor.ledger.models import BatchRow, RequestRow, ResultRow, ShardRow, WorkerRow
 
@@ -143,7 +143,7 @@ def test_live_workers_show_their_engine_state(ledger: Ledger) -> None:
         running = ("running", 8, "gpu-1")
         add_shards(session, "batch-1", [running, running, ("queued", 8, None), ("done", 8, "w")])
     with ledger.reads() as session:
-        workers = {w.id: w for w in live_workers(session, heartbeat_timeout=30).data}
+        workers = {w.id: w for w in worker_list(session, heartbeat_timeout=30).data}
     assert sorted(workers) == ["echo-1", "gpu-1"]  # not the one silent for a minute
     gpu = workers["gpu-1"]
     assert (gpu.device, gpu.running_requests, gpu.waiting_requests) == ("cuda:0", 5, 2)
