@@ -93,9 +93,14 @@ def consume(
     @worker_shutting_down.connect(weak=False)
     def _shutting_down(sig: str = "", **_: Any) -> None:
         if sig == "SIGINT":
-            threading.Thread(target=runtime.interrupt, args=(command,), daemon=True).start()
+            handover = threading.Thread(target=runtime.interrupt, args=(command,), daemon=True)
+            handovers.append(handover)
+            handover.start()
         else:
             runtime.begin_shutdown(runtime.settings.shutdown_timeout)
 
+    handovers: list[threading.Thread] = []
     os.environ.setdefault("FORKED_BY_MULTIPROCESSING", "1")
     runtime.app.worker_main(argv)
+    for handover in handovers:  # Celery may end first: the hand-over ends the process
+        handover.join()
