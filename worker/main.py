@@ -6,8 +6,9 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import replace
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 from celery.signals import worker_shutting_down
 
@@ -72,11 +73,15 @@ def start_runtime(
 
 
 def consume(
-    runtime: WorkerRuntime, concurrency: int, loglevel: str = "INFO", command: str = "worker"
+    runtime: WorkerRuntime,
+    concurrency: int,
+    loglevel: str = "INFO",
+    on_interrupt: Callable[[int], NoReturn] | None = None,
 ) -> None:
     """Run the Celery worker in this thread until it is told to stop: SIGTERM (a supervisor's
-    stop) gives running shards CONVEYOR_SHUTDOWN_TIMEOUT to finish; Ctrl-C hands them back and
-    ends the process at once (`WorkerRuntime.interrupt`)."""
+    stop) gives running shards CONVEYOR_SHUTDOWN_TIMEOUT to finish; Ctrl-C, with
+    `on_interrupt`, hands them back at once (`WorkerRuntime.hand_back_now`) and then calls it
+    with the count of those that were late, to end the process."""
     node = f"{runtime.name}@{socket.gethostname()}"
     argv = [
         "worker",
@@ -92,8 +97,10 @@ def consume(
 
     @worker_shutting_down.connect(weak=False)
     def _shutting_down(sig: str = "", **_: Any) -> None:
-        if sig == "SIGINT":
-            handover = threading.Thread(target=runtime.interrupt, args=(command,), daemon=True)
+        if sig == "SIGINT" and on_interrupt is not None:
+            handover = threading.Thread(
+                target=lambda: on_interrupt(runtime.hand_back_now()), daemon=True
+            )
             handovers.append(handover)
             handover.start()
         else:
@@ -102,5 +109,5 @@ def consume(
     handovers: list[threading.Thread] = []
     os.environ.setdefault("FORKED_BY_MULTIPROCESSING", "1")
     runtime.app.worker_main(argv)
-    for handover in handovers:  # Celery may end first: the hand-over ends the process
+    for handover in handovers:  # Celery may end first: `on_interrupt` ends the process
         handover.join()

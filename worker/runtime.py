@@ -61,7 +61,6 @@ from conveyor.worker.writer import PendingResults, ResultWriter, WriteItem
 log = logging.getLogger(__name__)
 STOP_CHECK_SECONDS = 0.05  # how soon a running shard sees that it must stop
 INTERRUPT_HANDOVER_SECONDS = 1.0  # Ctrl-C: how long running shards get to hand back
-EXIT_INTERRUPTED = 130  # as a shell reports a command SIGINT ended
 SLOW_SHUTDOWN_SECONDS = 20.0  # after SIGTERM: then the log gets every thread's stack
 
 # batch work runs behind online requests (priority 0) in the engine
@@ -271,39 +270,26 @@ class WorkerRuntime:
     def begin_shutdown(self, timeout: float) -> None:
         """A warm shutdown began (SIGTERM): Celery takes no more shards and waits for the
         running ones; those not done within `timeout` seconds are handed back."""
-        if timeout <= 0:
-            log.info("shutting down: %d running shards go back to the queue", self._shard_runs)
-            self.handing_back.set()
-        else:
-            log.info("shutting down: running shards get %.0fs to finish", timeout)
-            timer = threading.Timer(timeout, self.handing_back.set)
-            timer.daemon = True
-            timer.start()
+        log.info("shutting down: running shards get %.0fs to finish", timeout)
+        timer = threading.Timer(timeout, self.handing_back.set)
+        timer.daemon = True
+        timer.start()
         slow = threading.Timer(SLOW_SHUTDOWN_SECONDS, self._report_slow_shutdown)
         slow.daemon = True
         slow.start()
 
-    def interrupt(self, command: str) -> None:
+    def hand_back_now(self) -> int:
         """Ctrl-C: a person waits for the prompt. Running shards go back to the queue at once
-        (their finished requests' results kept), the results written so far are committed,
-        the worker withdraws, and the process exits 130, without waiting for Celery's consumer
-        loop or the interpreter's teardown of the model: the ledger already holds all that
-        must last, and running the command again goes on with the handed-back shards."""
+        (their finished requests' results kept), the results written so far are committed and
+        the worker withdraws, without waiting for Celery's consumer loop. Returns how many
+        shards had not handed back in time (the reconciler re-sends those)."""
         self.handing_back.set()
         deadline = time.monotonic() + INTERRUPT_HANDOVER_SECONDS
         while self._shard_runs and time.monotonic() < deadline:
             time.sleep(0.02)
         left = self._shard_runs
         self.stop()
-        still = f" ({left} not yet: the reconciler re-sends them)" if left else ""
-        print(
-            f"conveyor {command}: interrupted; its running shards went back to the queue{still};"
-            " running it again goes on with them",
-            file=sys.__stderr__,
-            flush=True,
-        )
-        logging.shutdown()
-        os._exit(EXIT_INTERRUPTED)
+        return left
 
     def _report_slow_shutdown(self) -> None:
         """Still here long after SIGTERM: say what every thread is doing, once, so that a

@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
-from conveyor.cli.common import EXIT_OK, EXIT_USAGE, add_url_argument, fail
+from conveyor.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, PROG, add_url_argument, fail
 from conveyor.cli.engine_options import add_engine_arguments, engine_config
 from conveyor.env_args import apply_env_defaults
 from conveyor.served_names import served_model_names
@@ -101,7 +104,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.metrics_port:
         runtime.metrics.serve(args.metrics_port)
     try:
-        consume(runtime, args.concurrency, args.loglevel)
+        consume(runtime, args.concurrency, args.loglevel, on_interrupt=interrupted("worker"))
     finally:
         runtime.stop()
     return ENGINE_FAILED_EXIT if runtime.engine_failed.is_set() else EXIT_OK
@@ -177,12 +180,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     thread = threading.Thread(target=server.run, name="conveyor-api", daemon=True)
     thread.start()
     try:
-        consume(runtime, args.concurrency, command="serve")  # Celery wants the main thread
+        # Celery wants the main thread
+        consume(runtime, args.concurrency, on_interrupt=interrupted("serve"))
     finally:
         server.should_exit = True
         thread.join(timeout=10)
         runtime.stop()
     return ENGINE_FAILED_EXIT if runtime.engine_failed.is_set() else EXIT_OK
+
+
+def interrupted(command: str) -> Callable[[int], NoReturn]:
+    """What ends `conveyor COMMAND` after Ctrl-C handed its shards back: one line saying what
+    became of them, and exit 130 at once: the ledger holds all that must last, and the
+    interpreter's teardown of a model takes seconds."""
+
+    def end(late: int) -> NoReturn:
+        still = f" ({late} not yet: the reconciler re-sends them)" if late else ""
+        print(
+            f"{PROG} {command}: interrupted; its running shards went back to the queue{still};"
+            " running it again goes on with them",
+            file=sys.__stderr__,
+            flush=True,
+        )
+        logging.shutdown()
+        os._exit(EXIT_INTERRUPTED)
+
+    return end
 
 
 def _api_server(settings: Any, host: str, port: int) -> Any:
