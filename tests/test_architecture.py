@@ -297,31 +297,35 @@ def test_the_package_list_covers_every_folder() -> None:
     assert set(config["packages"]) == packages
 
 
-def test_an_import_in_the_else_of_type_checking_is_read(tmp_path: Path, monkeypatch) -> None:
+def planted_imports(source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> frozenset[str]:
+    """What the import reader finds in `source`, planted as a module of the API."""
     planted = tmp_path / "planted.py"
-    planted.write_text(
+    planted.write_text(source)
+    monkeypatch.setitem(MODULES, "conveyor.api.planted", planted)
+    imports.cache_clear()
+    try:
+        return imports("conveyor.api.planted")
+    finally:
+        imports.cache_clear()
+
+
+def test_an_import_in_the_else_of_type_checking_is_read(tmp_path: Path, monkeypatch) -> None:
+    source = (
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\nelse:\n"
         "    import transformers\n    from conveyor.worker import main\n"
     )
-    monkeypatch.setitem(MODULES, "conveyor.api.planted", planted)
-    imports.cache_clear()
-    found = imports("conveyor.api.planted")
-    imports.cache_clear()
+    found = planted_imports(source, tmp_path, monkeypatch)
     assert {"transformers", "conveyor.worker.main"} <= found and "torch" not in found
 
 
 def test_a_lazy_import_by_name_is_read(tmp_path: Path, monkeypatch) -> None:
     # engine/__init__'s lazy __getattr__ reaches its modules through a table of names
     assert "conveyor.engine.llm" in imports("conveyor.engine")
-    planted = tmp_path / "planted.py"
-    planted.write_text(
+    source = (
         "import importlib\nTABLE = {'x': 'conveyor.worker.main'}\n"
         "def __getattr__(name):\n    return importlib.import_module(TABLE[name])\n"
     )
-    monkeypatch.setitem(MODULES, "conveyor.api.planted", planted)
-    imports.cache_clear()
-    found = imports("conveyor.api.planted")
-    imports.cache_clear()
+    found = planted_imports(source, tmp_path, monkeypatch)
     assert "conveyor.worker.main" in found
 
 
