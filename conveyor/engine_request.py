@@ -18,11 +18,11 @@ from conveyor.batch_format.errors import (
 )
 from conveyor.batch_format.request_line import ParsedRequest
 from conveyor.engine.errors import (
-    PROMPT,
-    STRUCTURED_OUTPUTS,
     ContextLengthError,
+    InvalidPromptError,
     InvalidRequestError,
     RequestFailure,
+    StructuredOutputError,
 )
 from conveyor.engine.sampling_params import SamplingParams
 
@@ -30,6 +30,14 @@ log = logging.getLogger(__name__)
 
 # SamplingParams field -> the request body field it comes from, where the names differ
 _BODY_FIELD = {"prompt_logprobs": "logprobs"}
+
+# the engine's kinds of refusal -> the error code a client sees; the most specific first (a
+# kind not listed is a sampling parameter's)
+ERROR_CODES: tuple[tuple[type[InvalidRequestError], str], ...] = (
+    (ContextLengthError, CONTEXT_LENGTH_EXCEEDED),
+    (InvalidPromptError, INVALID_PROMPT),
+    (StructuredOutputError, INVALID_RESPONSE_FORMAT),
+)
 
 
 def internal_error(request_id: str) -> str:
@@ -46,7 +54,8 @@ def engine_error(
     which the log line with the details carries."""
     failure = err if isinstance(err, RequestFailure) else RequestFailure.of(err)
     where = {"line": request.line, "custom_id": request.custom_id}
-    if failure.internal:
+    kind = failure.kind
+    if kind is None:  # the engine's fault
         log.error("request %s: internal error: %s", request_id, failure.message)
         return BatchRequestError(
             internal_error(request_id),
@@ -54,14 +63,13 @@ def engine_error(
             status_code=500,
             **where,
         )
-    field = failure.field
-    if field == PROMPT:
-        code = CONTEXT_LENGTH_EXCEEDED if isinstance(err, ContextLengthError) else INVALID_PROMPT
+    code = next((c for k, c in ERROR_CODES if issubclass(kind, k)), INVALID_SAMPLING_PARAMS)
+    if issubclass(kind, InvalidPromptError):
         param = "body.messages" if request.is_chat else "body.prompt"
-    elif field == STRUCTURED_OUTPUTS:
-        code, param = INVALID_RESPONSE_FORMAT, "body.response_format"
+    elif issubclass(kind, StructuredOutputError):
+        param = "body.response_format"
     else:
-        code = INVALID_SAMPLING_PARAMS
+        field = failure.field
         param = None if field is None else f"body.{_BODY_FIELD.get(field, field)}"
     return BatchRequestError(failure.message, code=code, param=param, **where)
 

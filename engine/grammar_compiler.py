@@ -35,18 +35,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.engine.errors import STRUCTURED_OUTPUTS, InvalidRequestError
+from conveyor.engine.errors import StructuredOutputError
 from conveyor.engine.sampling_params import StructuredOutputsParams
 
 WORKERS = 2  # compiles at once: each takes a core from the model's threads
 CACHE_SIZE = 128  # compiled grammars kept; a large schema's lexer takes megabytes
-
-
-class StructuredOutputError(InvalidRequestError):
-    """A constraint the grammar engine cannot compile, or not in time; the message says why."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, STRUCTURED_OUTPUTS)
 
 
 @dataclass(eq=False)

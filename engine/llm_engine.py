@@ -18,7 +18,12 @@ from conveyor.engine.cpu_memory import reuse_large_allocations
 from conveyor.engine.cuda_graphs import cuda_capture
 from conveyor.engine.device_plan import plan_device
 from conveyor.engine.dtypes import resolve_dtype
-from conveyor.engine.errors import PROMPT, ContextLengthError, InvalidRequestError, RequestFailure
+from conveyor.engine.errors import (
+    ContextLengthError,
+    InvalidPromptError,
+    InvalidSamplingParamsError,
+    RequestFailure,
+)
 from conveyor.engine.loader import (
     config_dtype,
     eos_token_ids,
@@ -212,18 +217,15 @@ class LLMEngine:
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise InvalidRequestError(
-                    "this model has no tokenizer; pass prompts as token ids", PROMPT
-                )
+                raise InvalidPromptError("this model has no tokenizer; pass prompts as token ids")
             return list(self.tokenizer(prompt).input_ids)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise InvalidRequestError("a prompt of token ids must hold only integers", PROMPT)
+            raise InvalidPromptError("a prompt of token ids must hold only integers")
         ids = list(prompt)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidRequestError(
-                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
-                PROMPT,
+            raise InvalidPromptError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
         return ids
 
@@ -245,7 +247,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
         if not token_ids:
-            raise InvalidRequestError("the prompt is empty", PROMPT)
+            raise InvalidPromptError("the prompt is empty")
         if len(token_ids) >= self.max_model_len:
             raise ContextLengthError(
                 f"the prompt has {len(token_ids)} tokens, but max_model_len is "
@@ -327,7 +329,7 @@ class LLMEngine:
         ):
             outside = [t for t in ids if t >= vocab]
             if outside:
-                raise InvalidRequestError(
+                raise InvalidSamplingParamsError(
                     f"{name} names token id {outside[0]}, outside the model's vocabulary "
                     f"(ids 0-{vocab - 1})",
                     name,
@@ -335,13 +337,13 @@ class LLMEngine:
         for name in ("top_k", "logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > vocab:
-                raise InvalidRequestError(
+                raise InvalidSamplingParamsError(
                     f"{name} must be at most the model's vocabulary size ({vocab}), got {value}",
                     name,
                 )
         max_num_seqs = self.engine_config.max_num_seqs
         if params.n > max_num_seqs:
-            raise InvalidRequestError(
+            raise InvalidSamplingParamsError(
                 f"n must be at most the engine's max_num_seqs ({max_num_seqs}): a request's "
                 f"samples run together, got {params.n}",
                 "n",

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.engine.errors import InvalidRequestError
+from conveyor.engine.errors import InvalidSamplingParamsError, StructuredOutputError
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: -100..100
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: -2..2
@@ -41,17 +41,15 @@ class StructuredOutputsParams:
         kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         kinds += ["json_object"] if self.json_object else []
         if len(kinds) != 1:
-            raise InvalidRequestError(
+            raise StructuredOutputError(
                 "structured_outputs must hold exactly one of json, json_object, regex, choice "
-                f"or grammar, got {', '.join(kinds) or 'none'}",
-                "structured_outputs",
+                f"or grammar, got {', '.join(kinds) or 'none'}"
             )
         if self.choice is not None and (
             not self.choice or not all(isinstance(c, str) and c for c in self.choice)
         ):
-            raise InvalidRequestError(
-                "structured_outputs choice must be a list of non-empty strings",
-                "structured_outputs",
+            raise StructuredOutputError(
+                "structured_outputs choice must be a list of non-empty strings"
             )
 
     @property
@@ -243,4 +241,4 @@ def _is_int(value: Any) -> bool:
 
 
 def _fail(field: str, message: str) -> None:
-    raise InvalidRequestError(message, field)
+    raise InvalidSamplingParamsError(message, field)

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from conveyor.engine.grammar_compiler import Compile, GrammarCompiler, StructuredOutputError
+from conveyor.engine.errors import StructuredOutputError
+from conveyor.engine.grammar_compiler import Compile, GrammarCompiler
 from conveyor.engine.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ import pytest
 
 from conveyor.batch_format.token_text import TokenDecoder
 from conveyor.dispatch.online import LocalBus, OnlineMessage
-from conveyor.engine.errors import RequestFailure
+from conveyor.engine.errors import InvalidPromptError, InvalidSamplingParamsError, RequestFailure
 from conveyor.engine.outputs import RequestOutput
 from conveyor.worker.echo import EchoEngine
 from conveyor.worker.engine_service import EngineJob
@@ -182,8 +182,16 @@ def test_a_500_tells_the_request_id_and_no_internals(served, caplog):
 @pytest.mark.parametrize(
     ("error", "status", "param"),
     [
-        (RequestFailure("top_k must be at least -1", "top_k", internal=False), 400, "top_k"),
-        (RequestFailure("prompt token id 7 is outside the vocab", "prompt", False), 400, "prompt"),
+        (
+            RequestFailure("top_k must be at least -1", "top_k", InvalidSamplingParamsError),
+            400,
+            "top_k",
+        ),
+        (
+            RequestFailure("prompt token id 7 is outside the vocab", "prompt", InvalidPromptError),
+            400,
+            "prompt",
+        ),
         (RequestFailure("IndexError: index 9 is out of bounds"), 500, None),
     ],
 )
