@@ -12,12 +12,9 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from conveyor.engine.logprob_entries import BlockLogprobs
 from conveyor.engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from conveyor.engine.prompt_logprobs import BlockLogprobs
 
 
 @dataclass

@@ -6,15 +6,13 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from conveyor.engine.logprob_entries import LogprobEntry
 from conveyor.engine.outputs import RequestMetrics, TokenLogprobs
 from conveyor.engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from conveyor.engine.prompt_logprobs import LogprobEntry
 
 _seq_ids = itertools.count()
 

@@ -2,8 +2,8 @@
 no function so long that it hides more than one idea (in the packages and in bench/).
 
 Imports are read from the source (ast), every `import` and `from ... import` of a module,
-those inside functions too (a lazy import still runs), but not those under
-`if TYPE_CHECKING:` (they never run).
+those inside functions too (a lazy import still runs). Those under `if TYPE_CHECKING:` never
+run: they count only for cycles (a loop of type-only imports still ties two modules together).
 """
 
 from __future__ import annotations
@@ -56,18 +56,18 @@ def _type_checking(node: ast.If) -> bool:
     )
 
 
-def _import_nodes(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    yield from _imports_in(ast.iter_child_nodes(tree))
+def _import_nodes(tree: ast.AST, type_only: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
+    yield from _imports_in(ast.iter_child_nodes(tree), type_only)
 
 
-def _imports_in(nodes: Iterable[ast.AST]) -> Iterator[ast.Import | ast.ImportFrom]:
+def _imports_in(nodes: Iterable[ast.AST], type_only: bool) -> Iterator[ast.Import | ast.ImportFrom]:
     for node in nodes:
-        if isinstance(node, ast.If) and _type_checking(node):
-            yield from _imports_in(node.orelse)  # the else branch runs
+        if isinstance(node, ast.If) and _type_checking(node) and not type_only:
+            yield from _imports_in(node.orelse, type_only)  # the else branch runs
             continue
         if isinstance(node, ast.Import | ast.ImportFrom):
             yield node
-        yield from _imports_in(ast.iter_child_nodes(node))
+        yield from _imports_in(ast.iter_child_nodes(node), type_only)
 
 
 def _lazy_imports(tree: ast.AST) -> set[str]:
@@ -98,12 +98,12 @@ def _resolve(module: str, node: ast.ImportFrom) -> str:
 
 
 @cache
-def imports(module: str) -> frozenset[str]:
-    """What `module` imports: project modules by their full name, anything else by its
-    top-level name."""
+def imports(module: str, type_only: bool = False) -> frozenset[str]:
+    """What `module` imports (with `type_only`, under `if TYPE_CHECKING:` too): project
+    modules by their full name, anything else by its top-level name."""
     tree = ast.parse(MODULES[module].read_text(), str(MODULES[module]))
     found = _lazy_imports(tree)
-    for node in _import_nodes(tree):
+    for node in _import_nodes(tree, type_only):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
             continue
@@ -114,8 +114,8 @@ def imports(module: str) -> frozenset[str]:
     return frozenset(name if name in MODULES else name.split(".")[0] for name in found)
 
 
-def project_imports(module: str) -> set[str]:
-    return {name for name in imports(module) if name in MODULES}
+def project_imports(module: str, type_only: bool = False) -> set[str]:
+    return {name for name in imports(module, type_only) if name in MODULES}
 
 
 @cache
@@ -132,8 +132,9 @@ def reaches(module: str) -> frozenset[str]:
     return frozenset(seen)
 
 
-def cycles() -> list[list[str]]:
-    """The strongly connected groups of more than one module (Tarjan)."""
+def cycles(type_only: bool = True) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), through type-only
+    imports too unless told otherwise."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -144,7 +145,7 @@ def cycles() -> list[list[str]]:
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
-        for w in sorted(project_imports(v)):
+        for w in sorted(project_imports(v, type_only)):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -158,7 +159,7 @@ def cycles() -> list[list[str]]:
                 group.append(w)
                 if w == v:
                     break
-            if len(group) > 1 or v in project_imports(v):
+            if len(group) > 1 or v in project_imports(v, type_only):
                 groups.append(sorted(group))
 
     for module in sorted(MODULES):
@@ -248,8 +249,31 @@ def test_a_cycle_is_found(monkeypatch) -> None:
     # ledger.models importing the API would close a loop through the API's own imports
     real = project_imports
     added = {"conveyor.ledger.models": {"conveyor.api.app"}}
-    monkeypatch.setitem(globals(), "project_imports", lambda m: real(m) | added.get(m, set()))
+    monkeypatch.setitem(
+        globals(), "project_imports", lambda m, t=False: real(m, t) | added.get(m, set())
+    )
     assert any({"conveyor.api.app", "conveyor.ledger.models"} <= set(group) for group in cycles())
+
+
+def test_a_type_only_cycle_is_found(tmp_path: Path, monkeypatch) -> None:
+    # the loop that was: the block manager naming a type of the module that imports it
+    module = "conveyor.engine.block_manager"
+    path = tmp_path / "block_manager.py"
+    path.write_text(
+        MODULES[module].read_text()
+        + "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        + "    from conveyor.engine.prompt_logprobs import PromptLogprobs\n"
+    )
+    monkeypatch.setitem(MODULES, module, path)
+    imports.cache_clear()
+    try:
+        assert "conveyor.engine.prompt_logprobs" not in project_imports(module)  # never runs
+        group = {module, "conveyor.engine.prompt_logprobs"}
+        assert any(group <= set(g) for g in cycles())
+        assert not any(group <= set(g) for g in cycles(type_only=False))
+    finally:
+        imports.cache_clear()
+        reaches.cache_clear()
 
 
 # ---- one import name --------------------------------------------------------------------------
