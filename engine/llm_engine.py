@@ -22,7 +22,6 @@ from conveyor.engine.errors import (
     ContextLengthError,
     InvalidPromptError,
     InvalidSamplingParamsError,
-    RequestFailure,
 )
 from conveyor.engine.loader import (
     config_dtype,
@@ -35,7 +34,8 @@ from conveyor.engine.loader import (
 from conveyor.engine.memory_profile import kv_cache_bytes, largest_step, peak_step_bytes
 from conveyor.engine.model_runner import ModelRunner
 from conveyor.engine.models import DecoderForCausalLM
-from conveyor.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from conveyor.engine.output_processor import OutputProcessor
+from conveyor.engine.outputs import RequestOutput, TokenLogprobs
 from conveyor.engine.prompt_logprobs import PromptLogprobs
 from conveyor.engine.sampler import Sampler, SampleRequest, SampleResult
 from conveyor.engine.sampling_params import SamplingParams
@@ -125,6 +125,9 @@ class LLMEngine:
             PromptLogprobs.chunk_rows_for(
                 config.prompt_logprobs_memory, self.vocab_size, self.dtype
             ),
+        )
+        self.output_processor = OutputProcessor(
+            self.tokenizer, self.eos_token_ids, self.max_model_len
         )
         self.requests: dict[str, Request] = {}
         self.generation_tokens = 0
@@ -539,13 +542,14 @@ class LLMEngine:
                 continue
             # what one request's tokens, text or output does to the engine must stay its own
             try:
-                self._append_token(seq, token, top)
+                self.output_processor.append_token(seq, token, top)
+                self.generation_tokens += 1
                 if request.metrics.first_token_time is None:
                     request.metrics.first_token_time = now
                 if seq.finish_reason is not None:
                     self.scheduler.finish(seq)
                     if request.is_finished and request.request_id in self.requests:
-                        outputs.append(self._request_output(request))
+                        outputs.append(self.output_processor.request_output(request))
                         del self.requests[request.request_id]
                         continue
                 if request.stream:
@@ -556,7 +560,7 @@ class LLMEngine:
         for request_id, request in streamed.items():
             if request_id in self.requests and request_id not in failed:
                 try:
-                    outputs.append(self._request_output(request, finished=False))
+                    outputs.append(self.output_processor.request_output(request, finished=False))
                 except Exception as err:
                     outputs.append(self._fail_request(request, err))
         return outputs
@@ -569,29 +573,7 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = "error"
                 self.scheduler.finish(seq)
-        request.metrics.finished_time = time.monotonic()
-        outputs = [
-            CompletionOutput(
-                index=seq.index,
-                text="",
-                token_ids=seq.output_token_ids,
-                cumulative_logprob=None,
-                logprobs=None,
-                finish_reason="error",
-            )
-            for seq in sorted(request.seqs, key=lambda s: s.index)
-        ]
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            prompt_logprobs=None,
-            outputs=outputs,
-            finished=True,
-            num_cached_tokens=request.num_cached_tokens or 0,
-            metrics=request.metrics,
-            error=RequestFailure.of(err),
-        )
+        return self.output_processor.failed_output(request, err)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         request = parent.request
@@ -629,84 +611,6 @@ class LLMEngine:
             seq.token_ids,
             seq.num_prompt_tokens,
             seq.prompt_token_set,
-        )
-
-    def _append_token(self, seq: Sequence, token: int, top: TokenLogprobs | None) -> None:
-        params = seq.request.params
-        seq.token_ids.append(token)
-        if top is not None:
-            if seq.logprobs is None:
-                seq.logprobs = []
-            seq.logprobs.append(top)
-            seq.cumulative_logprob += top[token]
-        self.generation_tokens += 1
-
-        if seq.matcher is not None:
-            if not seq.matcher.consume_token(token):
-                raise RuntimeError(
-                    f"the structured output's grammar refused token {token}: "
-                    f"{seq.matcher.get_error()}"
-                )
-            if seq.matcher.is_stopped():
-                seq.finish_reason = "stop"
-                return
-        num_out = seq.num_output_tokens
-        if num_out >= params.min_tokens:
-            if token in params.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = "stop", token
-                return
-            if not params.ignore_eos and token in self.eos_token_ids:
-                seq.finish_reason = "stop"
-                return
-            if params.stop and self._check_stop_strings(seq):
-                return
-        if (params.max_tokens is not None and num_out >= params.max_tokens) or (
-            seq.num_tokens >= self.max_model_len
-        ):
-            seq.finish_reason = "length"
-
-    def _check_stop_strings(self, seq: Sequence) -> bool:
-        text = self._decode(seq)
-        hits = [(text.find(s), s) for s in seq.request.params.stop]
-        hits = [(pos, s) for pos, s in hits if pos >= 0]
-        if not hits:
-            return False
-        pos, stop = min(hits)
-        seq.text = text[:pos]
-        seq.finish_reason, seq.stop_reason = "stop", stop
-        return True
-
-    def _decode(self, seq: Sequence) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(
-            seq.output_token_ids, skip_special_tokens=seq.request.params.skip_special_tokens
-        )
-
-    def _request_output(self, request: Request, finished: bool = True) -> RequestOutput:
-        if finished:
-            request.metrics.finished_time = time.monotonic()
-        outputs = [
-            CompletionOutput(
-                index=seq.index,
-                text=seq.text if isinstance(seq.stop_reason, str) else self._decode(seq),
-                token_ids=seq.output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                logprobs=seq.logprobs,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            )
-            for seq in sorted(request.seqs, key=lambda s: s.index)
-        ]
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            prompt_logprobs=PromptLogprobs.output(request),
-            outputs=outputs,
-            finished=finished,
-            num_cached_tokens=request.num_cached_tokens or 0,
-            metrics=request.metrics,
         )
 
     # ---- requests waiting for their grammar -------------------------------------------------

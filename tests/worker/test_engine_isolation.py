@@ -28,23 +28,23 @@ def break_request(llm: LLM, monkeypatch: pytest.MonkeyPatch, where: str, victim:
         return request_id == victim
 
     if where == "append_token":  # on its third generated token
-        real_append = llm._append_token
+        real_append = llm.output_processor.append_token
 
         def append(seq, token, top):
             if bad(seq.request.request_id) and seq.num_output_tokens == 2:
                 raise IndexError("token table out of range")
             return real_append(seq, token, top)
 
-        monkeypatch.setattr(llm, "_append_token", append)
+        monkeypatch.setattr(llm.output_processor, "append_token", append)
     elif where == "stop_string":  # detokenizing for its stop-string check
-        real_decode = llm._decode
+        real_decode = llm.output_processor.decode
 
         def decode(seq):
             if bad(seq.request.request_id) and seq.finish_reason is None:
                 raise TypeError("the tokenizer cannot decode this")
             return real_decode(seq)
 
-        monkeypatch.setattr(llm, "_decode", decode)
+        monkeypatch.setattr(llm.output_processor, "decode", decode)
     elif where == "sampling":  # building its row of the batch's sampling, on its third token
         real_sample_request = llm._sample_request
 
@@ -55,14 +55,14 @@ def break_request(llm: LLM, monkeypatch: pytest.MonkeyPatch, where: str, victim:
 
         monkeypatch.setattr(llm, "_sample_request", sample_request)
     else:  # building its RequestOutput
-        real_output = llm._request_output
+        real_output = llm.output_processor.request_output
 
-        def request_output(request):
+        def request_output(request, finished=True):
             if bad(request.request_id):
                 raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
-            return real_output(request)
+            return real_output(request, finished)
 
-        monkeypatch.setattr(llm, "_request_output", request_output)
+        monkeypatch.setattr(llm.output_processor, "request_output", request_output)
 
 
 def run(llm: LLM, prompts: list[list[int]]) -> dict[str, Any]:

@@ -1,0 +1,131 @@
+"""What the engine loop does with a sampled token once the model has run: the stop rules
+(grammar end, stop token ids, EOS, stop strings, length), detokenising, and the assembly of
+each request's `RequestOutput` (as vLLM v1 keeps them in its output processor, apart from the
+scheduling and the forward pass)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from conveyor.engine.errors import RequestFailure
+from conveyor.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from conveyor.engine.prompt_logprobs import PromptLogprobs
+from conveyor.engine.sequence import Request, Sequence
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, eos_token_ids: Iterable[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def append_token(self, seq: Sequence, token: int, top: TokenLogprobs | None) -> None:
+        """Add `token` to `seq`, and set its finish reason if one of the stop rules holds."""
+        seq.token_ids.append(token)
+        if top is not None:
+            if seq.logprobs is None:
+                seq.logprobs = []
+            seq.logprobs.append(top)
+            seq.cumulative_logprob += top[token]
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(token):
+                raise RuntimeError(
+                    f"the structured output's grammar refused token {token}: "
+                    f"{seq.matcher.get_error()}"
+                )
+            if seq.matcher.is_stopped():
+                seq.finish_reason = "stop"
+                return
+        self._check_stop(seq, token)
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.request.params
+        num_out = seq.num_output_tokens
+        if num_out >= params.min_tokens:
+            if token in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+                return
+            if not params.ignore_eos and token in self.eos_token_ids:
+                seq.finish_reason = "stop"
+                return
+            if params.stop and self._check_stop_strings(seq):
+                return
+        if (params.max_tokens is not None and num_out >= params.max_tokens) or (
+            seq.num_tokens >= self.max_model_len
+        ):
+            seq.finish_reason = "length"
+
+    def _check_stop_strings(self, seq: Sequence) -> bool:
+        text = self.decode(seq)
+        hits = [(text.find(s), s) for s in seq.request.params.stop]
+        hits = [(pos, s) for pos, s in hits if pos >= 0]
+        if not hits:
+            return False
+        pos, stop = min(hits)
+        seq.text = text[:pos]
+        seq.finish_reason, seq.stop_reason = "stop", stop
+        return True
+
+    def decode(self, seq: Sequence) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(
+            seq.output_token_ids, skip_special_tokens=seq.request.params.skip_special_tokens
+        )
+
+    def request_output(self, request: Request, finished: bool = True) -> RequestOutput:
+        """The request's output so far (`finished=False`: a streamed request's), or its last."""
+        if finished:
+            request.metrics.finished_time = time.monotonic()
+        outputs = [
+            CompletionOutput(
+                index=seq.index,
+                text=seq.text if isinstance(seq.stop_reason, str) else self.decode(seq),
+                token_ids=seq.output_token_ids,
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                logprobs=seq.logprobs,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in sorted(request.seqs, key=lambda s: s.index)
+        ]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            prompt_logprobs=PromptLogprobs.output(request),
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            metrics=request.metrics,
+        )
+
+    @staticmethod
+    def failed_output(request: Request, err: BaseException) -> RequestOutput:
+        """The last output of a request the engine gave up on: the tokens it had, no text,
+        and why (`error`)."""
+        request.metrics.finished_time = time.monotonic()
+        outputs = [
+            CompletionOutput(
+                index=seq.index,
+                text="",
+                token_ids=seq.output_token_ids,
+                cumulative_logprob=None,
+                logprobs=None,
+                finish_reason="error",
+            )
+            for seq in sorted(request.seqs, key=lambda s: s.index)
+        ]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=outputs,
+            finished=True,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            metrics=request.metrics,
+            error=RequestFailure.of(err),
+        )
