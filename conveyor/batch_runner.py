@@ -17,16 +17,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import IO, Any
 
-from conveyor.batch_format.errors import INTERNAL_ERROR, BatchRequestError
-from conveyor.batch_format.request_line import BatchLineParser, ParsedRequest, peek_custom_id
+from conveyor.batch_format.request_line import BatchLineParser, ParsedRequest
 from conveyor.batch_format.result_lines import (
-    build_output_line,
     dump_line,
-    error_line_from_exception,
 )
 from conveyor.batch_format.token_text import TokenDecoder
 from conveyor.engine.errors import InvalidRequestError
-from conveyor.engine_request import engine_error, internal_error, prepare_request
+from conveyor.request_outcome import (
+    PreparedLine,
+    internal_error_line,
+    output_line,
+    prepare_line,
+    refused_line,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,68 +79,32 @@ class BatchRunner:
             self.progress.update(1)
             self.progress.set_postfix(ok=self.stats.succeeded, failed=self.stats.failed)
 
-    def _emit_error(self, err: BatchRequestError) -> None:
-        self._emit(error_line_from_exception(err), ok=False)
-
     # ---- input ----------------------------------------------------------------------------
     def submit(self, lineno: int, raw: bytes | str) -> None:
         """Check one line and hand it to the engine, or write its error line."""
         self.stats.lines += 1
         request_id = f"line-{lineno}"
+        prepared = prepare_line(self.llm, raw, lineno, request_id, self.parser.parse)
+        if not isinstance(prepared, PreparedLine):
+            self._emit(prepared, ok=False)
+            return
         try:
-            request = self.parser.parse(raw, lineno)
-            prompt, params = prepare_request(self.llm, request)
-            try:
-                self.llm.add_request(request_id, prompt, params)
-            except InvalidRequestError as err:
-                raise engine_error(err, request, request_id) from None
-        except BatchRequestError as err:
-            self._emit_error(err)
+            self.llm.add_request(request_id, prepared.prompt, prepared.params)
+        except Exception as err:  # refused by the engine, or a fault of its with this line
+            if not isinstance(err, InvalidRequestError):
+                with contextlib.suppress(Exception):  # whatever of it the engine kept
+                    self.llm.abort(request_id)
+            self._emit(refused_line(err, prepared.parsed, request_id), ok=False)
             return
-        except Exception:
-            log.exception("request %s: internal error while adding it", request_id)
-            with contextlib.suppress(Exception):  # whatever of it the engine kept
-                self.llm.abort(request_id)
-            self._emit_error(
-                BatchRequestError(
-                    internal_error(request_id),
-                    code=INTERNAL_ERROR,
-                    line=lineno,
-                    custom_id=peek_custom_id(raw),
-                    status_code=500,
-                )
-            )
-            return
-        self.pending[request_id] = request
+        self.pending[request_id] = prepared.parsed
 
     def finish(self, output: Any) -> None:
         """Write the result line of a finished engine request."""
         request = self.pending.pop(output.request_id, None)
         if request is None:
             return
-        if (error := getattr(output, "error", None)) is not None:
-            self._emit_error(engine_error(error, request, output.request_id))
-            return
-        try:
-            line = build_output_line(request, output, self.model_name, self.decoder)
-        except Exception:
-            log.exception(
-                "request %s: internal error while formatting its result", output.request_id
-            )
-            self._emit_internal_error(request, internal_error(output.request_id))
-            return
-        self._emit(line, ok=True)
-
-    def _emit_internal_error(self, request: ParsedRequest, message: str) -> None:
-        self._emit_error(
-            BatchRequestError(
-                message,
-                code=INTERNAL_ERROR,
-                line=request.line,
-                custom_id=request.custom_id,
-                status_code=500,
-            )
-        )
+        line, ok = output_line(request, output, self.model_name, self.decoder, output.request_id)
+        self._emit(line, ok=ok)
 
     # ---- loop -----------------------------------------------------------------------------
     def run(self, lines: Iterable[tuple[int, bytes | str]]) -> BatchStats:
@@ -170,9 +137,8 @@ class BatchRunner:
         """The engine has nothing left but some requests never finished: report them."""
         for request_id, request in list(self.pending.items()):
             del self.pending[request_id]
-            self._emit_internal_error(
-                request, "the engine dropped this request without finishing it"
-            )
+            log.error("request %s: the engine dropped it without finishing it", request_id)
+            self._emit(internal_error_line(request.custom_id, request.line, request_id), ok=False)
 
 
 __all__ = [

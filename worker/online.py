@@ -50,7 +50,7 @@ from conveyor.batch_format.responses import (
 from conveyor.batch_format.streaming import ChunkStream
 from conveyor.batch_format.token_text import TokenDecoder
 from conveyor.dispatch.online import OnlineBus, OnlineMessage
-from conveyor.engine_request import engine_error, internal_error, prepare_request
+from conveyor.request_outcome import engine_error, internal_error, prepare_request
 from conveyor.worker.engine_service import EngineJob, EngineService
 from conveyor.worker.metrics import ONLINE_ABORTS
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from conveyor.batch_format.errors import INTERNAL_ERROR, REQUEST_QUARANTINED, BatchRequestError
+from conveyor.batch_format.errors import REQUEST_QUARANTINED
 from conveyor.batch_format.request_line import (
     ParsedRequest,
     apply_max_tokens_cap,
@@ -29,15 +29,12 @@ from conveyor.batch_format.request_line import (
 )
 from conveyor.batch_format.result_lines import (
     build_error_line,
-    build_output_line,
-    error_line_from_exception,
 )
 from conveyor.batch_format.token_text import TokenDecoder
 from conveyor.dispatch.celery_app import make_celery
 from conveyor.dispatch.online import bus_for, online_queue
 from conveyor.dispatch.queues import queue_for, worker_queue
 from conveyor.dispatch.reconciler import ReconcilerLoop, reconcile
-from conveyor.engine_request import engine_error, internal_error, prepare_request
 from conveyor.ledger.db import Ledger
 from conveyor.ledger.results import result_row
 from conveyor.ledger.shard_lifecycle import (
@@ -52,6 +49,7 @@ from conveyor.ledger.shard_lifecycle import (
 from conveyor.ledger.states import BatchStatus
 from conveyor.ledger.workers import announce, withdraw
 from conveyor.logs import bind, log_context
+from conveyor.request_outcome import PreparedLine, output_line, prepare_line, refused_line
 from conveyor.settings import Settings
 from conveyor.worker.engine_service import EngineJob, EngineService
 from conveyor.worker.metrics import WorkerMetrics
@@ -386,31 +384,26 @@ class WorkerRuntime:
         if engine_failures >= self.settings.max_request_failures:
             self._write(batch_id, request_id, self._quarantined(raw, line), pending, line)
             return None
-        try:
-            parsed = parse_request_line(raw, line=line)
-            apply_max_tokens_cap(parsed, self.settings.max_tokens_cap)
-            prompt, params = prepare_request(self.engine, parsed)
-        except BatchRequestError as err:
-            self._write(batch_id, request_id, error_line_from_exception(err), pending, line)
+        engine_id = f"{batch_id}:{request_id}"
+        prepared = prepare_line(self.engine, raw, line, engine_id, self._parse)
+        if not isinstance(prepared, PreparedLine):  # its error line
+            self._write(batch_id, request_id, prepared, pending, line)
             return None
-        except Exception:  # a fault of ours with this line: it fails alone
-            engine_id = f"{batch_id}:{request_id}"
-            log.exception("request %s: internal error while preparing it", engine_id)
-            error = build_error_line(
-                peek_custom_id(raw), INTERNAL_ERROR, internal_error(engine_id), line=line,
-                status_code=500,
-            )  # fmt: skip
-            self._write(batch_id, request_id, error, pending, line)
-            return None
+        parsed = prepared.parsed
         return EngineJob(
-            f"{batch_id}:{request_id}",
-            prompt,
-            params,
+            engine_id,
+            prepared.prompt,
+            prepared.params,
             on_done=partial(self._on_done, batch_id, request_id, parsed, claim.model, pending),
             on_error=partial(self._on_refused, batch_id, request_id, parsed, pending),
             priority=BATCH_PRIORITY,
             solo=engine_failures > 0,
         )
+
+    def _parse(self, raw: str | bytes, line: int) -> ParsedRequest:
+        parsed = parse_request_line(raw, line=line)
+        apply_max_tokens_cap(parsed, self.settings.max_tokens_cap)
+        return parsed
 
     def _quarantined(self, raw: str, line: int) -> dict[str, Any]:
         failures = self.settings.max_request_failures
@@ -479,16 +472,10 @@ class WorkerRuntime:
 
     # ---- results (called from the engine thread) -------------------------------------------
     def _on_done(self, batch_id, request_id, parsed, model, pending, output) -> None:
-        if (error := getattr(output, "error", None)) is not None:
-            self._on_refused(batch_id, request_id, parsed, pending, error)
-            return
-        self.metrics.observe_request(output)
-        try:
-            line = build_output_line(parsed, output, model, self.decoder)
-        except Exception:
-            engine_id = f"{batch_id}:{request_id}"
-            log.exception("request %s: internal error while formatting its result", engine_id)
-            line = self._internal_error(parsed, internal_error(engine_id))
+        if getattr(output, "error", None) is None:  # it ran to its end
+            self.metrics.observe_request(output)
+        line, ok = output_line(parsed, output, model, self.decoder, f"{batch_id}:{request_id}")
+        if not ok:
             self._write(batch_id, request_id, line, pending, parsed.line)
             return
         completion = sum(len(c.token_ids) for c in output.outputs)
@@ -507,14 +494,8 @@ class WorkerRuntime:
     def _on_refused(self, batch_id, request_id, parsed, pending, err) -> None:
         """The engine refused the request, or gave up on it (`err`: an exception or the
         output's `RequestFailure`)."""
-        error = engine_error(err, parsed, f"{batch_id}:{request_id}")
-        self._write(batch_id, request_id, error_line_from_exception(error), pending, parsed.line)
-
-    @staticmethod
-    def _internal_error(parsed: ParsedRequest, message: str) -> dict[str, Any]:
-        return build_error_line(
-            parsed.custom_id, INTERNAL_ERROR, message, line=parsed.line, status_code=500
-        )
+        line = refused_line(err, parsed, f"{batch_id}:{request_id}")
+        self._write(batch_id, request_id, line, pending, parsed.line)
 
     def _write(self, batch_id, request_id, line, pending, number=None, ok=False, **tokens) -> None:
         row = result_row(request_id, batch_id, line, ok=ok, worker=self.name, **tokens)

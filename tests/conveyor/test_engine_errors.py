@@ -25,7 +25,7 @@ from conveyor.engine.errors import (
     StructuredOutputError,
 )
 from conveyor.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from conveyor.engine_request import engine_error
+from conveyor.request_outcome import engine_error
 
 COMPLETION = ParsedRequest("c", COMPLETIONS_URL, "m", {}, prompt="hi", line=3)
 CHAT = ParsedRequest("c", CHAT_URL, "m", {}, messages=[{"role": "user", "content": "hi"}])

@@ -16,7 +16,7 @@ from conveyor.batch_format.errors import BatchRequestError
 from conveyor.batch_format.request_line import parse_online_body
 from conveyor.engine import LLM
 from conveyor.engine.errors import InvalidRequestError
-from conveyor.engine_request import engine_error, prepare_request
+from conveyor.request_outcome import engine_error, prepare_request
 from tests.request_strategies import CHATS, COMPLETIONS
 
 

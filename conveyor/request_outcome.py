@@ -1,10 +1,22 @@
-"""A checked batch line (`ParsedRequest`) as the engine takes it: the prompt (a chat's messages
-through the model's chat template) and its `SamplingParams`. The worker and the offline runner
-both prepare requests here."""
+"""What becomes of one request, wherever it runs (a worker's shard or online call, `conveyor
+run`), decided here once:
+
+- a checked request (`ParsedRequest`) goes to the engine as a prompt (a chat's messages through
+  the model's chat template) and its `SamplingParams` (`prepare_request`);
+- a batch line that does not parse or prepare gets its own error line, naming the field (400);
+- the engine's refusal, when the request is added or during a step, is the error of its kind
+  (`engine_error`: each engine error class has its code);
+- a fault of the service's with one request (preparing it, formatting its result, an engine
+  error of no kind) says "internal error" and the request's id, which the log line with the
+  details carries (500), and touches no other request;
+- else the request's output becomes its result line (`output_line`) or online answer.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from conveyor.batch_format.errors import (
@@ -16,7 +28,13 @@ from conveyor.batch_format.errors import (
     INVALID_SAMPLING_PARAMS,
     BatchRequestError,
 )
-from conveyor.batch_format.request_line import ParsedRequest
+from conveyor.batch_format.request_line import ParsedRequest, peek_custom_id
+from conveyor.batch_format.result_lines import (
+    build_error_line,
+    build_output_line,
+    error_line_from_exception,
+)
+from conveyor.batch_format.token_text import TokenDecoder
 from conveyor.engine.errors import (
     ContextLengthError,
     InvalidPromptError,
@@ -93,3 +111,59 @@ def prepare_request(llm: Any, request: ParsedRequest) -> tuple[str | list[int], 
             custom_id=request.custom_id,
             param="body.messages",
         ) from None
+
+
+# ---- batch lines ------------------------------------------------------------------------------
+@dataclass
+class PreparedLine:
+    """A batch line ready for the engine."""
+
+    parsed: ParsedRequest
+    prompt: str | list[int]
+    params: SamplingParams
+
+
+def prepare_line(
+    llm: Any,
+    raw: str | bytes,
+    line: int,
+    request_id: str,
+    parse: Callable[[str | bytes, int], ParsedRequest],
+) -> PreparedLine | dict[str, Any]:
+    """The line parsed (by `parse`) and prepared for the engine, or its error line."""
+    try:
+        parsed = parse(raw, line)
+        prompt, params = prepare_request(llm, parsed)
+    except BatchRequestError as err:
+        return error_line_from_exception(err)
+    except Exception:  # a fault of ours with this line: it fails alone
+        log.exception("request %s: internal error while preparing it", request_id)
+        return internal_error_line(peek_custom_id(raw), line, request_id)
+    return PreparedLine(parsed, prompt, params)
+
+
+def refused_line(
+    err: BaseException | RequestFailure, request: ParsedRequest, request_id: str
+) -> dict[str, Any]:
+    """The error line of a request the engine refused or gave up on."""
+    return error_line_from_exception(engine_error(err, request, request_id))
+
+
+def output_line(
+    request: ParsedRequest, output: Any, model: str, decoder: TokenDecoder, request_id: str
+) -> tuple[dict[str, Any], bool]:
+    """The line of a finished engine output, and whether it is an answer (else an error
+    line)."""
+    if (error := getattr(output, "error", None)) is not None:
+        return refused_line(error, request, request_id), False
+    try:
+        return build_output_line(request, output, model, decoder), True
+    except Exception:
+        log.exception("request %s: internal error while formatting its result", request_id)
+        return internal_error_line(request.custom_id, request.line, request_id), False
+
+
+def internal_error_line(custom_id: str | None, line: int | None, request_id: str) -> dict[str, Any]:
+    return build_error_line(
+        custom_id, INTERNAL_ERROR, internal_error(request_id), line=line, status_code=500
+    )
