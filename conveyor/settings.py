@@ -1,4 +1,5 @@
-"""Service settings, read from the environment (every name is documented in README.md).
+"""Service settings, read from the environment; each is declared once, with its documentation
+(`setting`), from which the documentation site's tables are made.
 
 With no `DATABASE_URL` the ledger is a SQLite file and with no `REDIS_URL` the broker is a
 SQLite file too (kombu's SQLAlchemy transport), both under `CONVEYOR_DATA_DIR`: the embedded
@@ -10,28 +11,27 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+def _parsed(f: Field, raw: str) -> Any:
+    """A setting's value from the text of its variable, by the field's type."""
+    name, kind = f.metadata["env"], str(f.type)
+    if kind == "int":
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+    if kind == "float":
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{name} must be a number, got {raw!r}") from None
+    if kind.startswith("Path"):
+        return Path(raw)
+    return raw.lower() if f.metadata["lower"] else raw
 
 
 def window_seconds(window: str) -> int:
@@ -48,47 +48,202 @@ def window_seconds(window: str) -> int:
 AUTH_MODES = ("off", "required")
 
 
+def setting(
+    default: Any,
+    env: str,
+    doc: str,
+    *,
+    shown: str | None = None,
+    group: str = "service",
+    lower: bool = False,
+) -> Any:
+    """A field of `Settings`, read from `env`: its documentation (`doc`, and `shown` for the
+    default where its value alone does not say it) lives here, and the documentation site's
+    tables are made from it (`{{ settings GROUP }}`)."""
+    meta = {"env": env, "doc": doc, "shown": shown, "group": group, "lower": lower}
+    if isinstance(default, Path):
+        return field(default_factory=lambda: default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+MiB = 1024 * 1024
+ONLINE = "online"  # the group of the limits on online work (docs/service.md)
+
+
 @dataclass
 class Settings:
-    data_dir: Path = field(default_factory=lambda: Path("conveyor-data"))
-    database_url: str | None = None
-    redis_url: str | None = None
-    shard_size: int = 32  # requests per shard task
+    database_url: str | None = setting(
+        None,
+        "DATABASE_URL",
+        "the ledger (`postgresql://...` in production)",
+        shown="SQLite file under `CONVEYOR_DATA_DIR`",
+    )
+    redis_url: str | None = setting(
+        None, "REDIS_URL", "the Celery broker", shown="SQLite file under `CONVEYOR_DATA_DIR`"
+    )
+    data_dir: Path = setting(
+        Path("conveyor-data"),
+        "CONVEYOR_DATA_DIR",
+        "uploaded files, embedded ledger and broker, demo model",
+        shown="`./conveyor-data`",
+    )
+    shard_size: int = setting(32, "CONVEYOR_SHARD_SIZE", "requests per shard task")
     # Redis redelivers a task not acknowledged within this many seconds; shards finish far sooner
-    visibility_timeout: int = 3600
-    heartbeat_interval: float = 2.0  # a running shard touches its row this often
-    heartbeat_timeout: float = 30.0  # a running shard whose row is older than this is dead
-    reconcile_interval: float = 10.0
-    affinity_backlog: int = 16  # shards queued for one worker before the overflow queue is used
-    max_upload_bytes: int = 200 * 1024 * 1024
-    max_line_bytes: int = 8 * 1024 * 1024
-    max_batch_lines: int = 50_000
-    # workers that share a machine's GPUs each claim one through lock files here
-    gpu_lock_dir: Path | None = None
-    auth: str = "off"  # "required": every /v1 route wants a project's API key
-    max_tokens_cap: int = 0  # most tokens a request may generate; 0: the model's context
-    max_batches_in_flight: int = 0  # unfinished batches per project; 0: no limit
-    max_json_body_bytes: int = 1024 * 1024  # largest JSON request body (a batch create)
-    max_completion_window: str = "168h"  # longest completion_window a batch may ask for
-    online_timeout: float = 600.0  # seconds an online request may take before its 504
-    # on SIGTERM a worker's running shards get this long before they are handed back
-    shutdown_timeout: float = 60.0
-    log_format: str = "text"  # or "json": one object per line, with batch/shard/request ids
-    # a shard whose worker died without a word (killed) this many times while running it is
-    # not run again
-    max_shard_attempts: int = 3
-    # a request in the step of this many engine failures (the last one run alone) is not run
-    # again: it gets a request_quarantined error line
-    max_request_failures: int = 2
-    # one online request: prompts in a completion's list (OpenAI's limit), and prompts × n;
-    # one project: online sequences (prompts × n) in flight at once. 0: no limit
-    max_online_prompts: int = 2048
-    max_online_request_sequences: int = 4096
-    max_online_sequences: int = 8192
-    # online requests a project may start per second, and at once over that (nginx's
-    # limit_req rate and burst; a burst of 0 is the rate rounded up). 0: no limit
-    online_rate_limit: float = 0.0
-    online_burst: int = 0
+    visibility_timeout: int = setting(
+        3600,
+        "CONVEYOR_VISIBILITY_TIMEOUT",
+        "seconds before Redis redelivers an unacknowledged shard (set alike in every place "
+        "Celery reads it)",
+    )
+    heartbeat_interval: float = setting(
+        2.0, "CONVEYOR_HEARTBEAT_INTERVAL", "seconds between a running shard's heartbeats"
+    )
+    heartbeat_timeout: float = setting(
+        30.0,
+        "CONVEYOR_HEARTBEAT_TIMEOUT",
+        "a running shard silent this long is taken as dead and re-sent",
+    )
+    reconcile_interval: float = setting(
+        10.0, "CONVEYOR_RECONCILE_INTERVAL", "seconds between reconciler rounds"
+    )
+    affinity_backlog: int = setting(
+        16,
+        "CONVEYOR_AFFINITY_BACKLOG",
+        "shards queued for one worker before its prefixes overflow to the shared queue",
+    )
+    max_upload_bytes: int = setting(
+        200 * MiB,
+        "CONVEYOR_MAX_UPLOAD_BYTES",
+        "largest upload (413 `file_too_large`)",
+        shown="200 MiB",
+    )
+    max_line_bytes: int = setting(
+        8 * MiB,
+        "CONVEYOR_MAX_LINE_BYTES",
+        "longest input line (413 `line_too_large` at upload)",
+        shown="8 MiB",
+    )
+    max_batch_lines: int = setting(
+        50_000,
+        "CONVEYOR_MAX_BATCH_LINES",
+        "most requests per batch (413 `too_many_lines` at upload)",
+        shown="50,000",
+    )
+    auth: str = setting(
+        "off",
+        "CONVEYOR_AUTH",
+        "`required`: every `/v1` route wants `Authorization: Bearer <key>` and a key sees "
+        "only its project's files and batches",
+        shown="`off` (compose: `required`)",
+        lower=True,
+    )
+    max_tokens_cap: int = setting(
+        0,
+        "CONVEYOR_MAX_TOKENS",
+        "most tokens a request may generate: a line asking for more fails alone (422 "
+        "`max_tokens_too_large` in the error file), a line not saying gets this",
+        shown="0 (no cap)",
+    )
+    max_batches_in_flight: int = setting(
+        0,
+        "CONVEYOR_MAX_BATCHES_IN_FLIGHT",
+        "unfinished batches per project; creating one more is a 429 `too_many_batches` "
+        "(concurrent creates included)",
+        shown="0 (no limit)",
+    )
+    max_json_body_bytes: int = setting(
+        MiB,
+        "CONVEYOR_MAX_JSON_BODY_BYTES",
+        "largest JSON request body, e.g. a batch create (413 `request_too_large`)",
+        shown="1 MiB",
+    )
+    max_completion_window: str = setting(
+        "168h",
+        "CONVEYOR_MAX_COMPLETION_WINDOW",
+        "longest `completion_window` a batch may ask for, as `<n>h`, `<n>m` or `<n>s` (400 "
+        "above it)",
+        shown="`168h`",
+    )
+    online_timeout: float = setting(
+        600.0,
+        "CONVEYOR_ONLINE_TIMEOUT",
+        "seconds an online request may wait for its answer before a 504",
+    )
+    max_request_failures: int = setting(
+        2,
+        "CONVEYOR_MAX_REQUEST_FAILURES",
+        "a batch request in the step of this many engine failures (after the first it runs "
+        "alone) is quarantined: it gets a `request_quarantined` error line",
+    )
+    max_shard_attempts: int = setting(
+        3,
+        "CONVEYOR_MAX_SHARD_ATTEMPTS",
+        "a shard whose worker died without a word (killed, where no request could be named) "
+        "this many times while running it is quarantined: its unfinished requests get "
+        "`request_quarantined` error lines",
+    )
+    shutdown_timeout: float = setting(
+        60.0,
+        "CONVEYOR_SHUTDOWN_TIMEOUT",
+        "on SIGTERM a worker takes no new shards and gives running ones this many seconds; "
+        "then it aborts what is left, commits what finished and hands the rest back to the "
+        "queue. Ctrl-C (SIGINT) hands them back at once: `conveyor worker` and `conveyor "
+        "serve` exit 130 within about a second, and running them again goes on with the batch",
+    )
+    log_format: str = setting(
+        "text",
+        "CONVEYOR_LOG_FORMAT",
+        "`json`: one JSON object per log line, with `batch_id`, `shard_id`, `file_id` on the "
+        "lines about them",
+        shown="`text` (compose: `json`)",
+        lower=True,
+    )
+    gpu_lock_dir: Path | None = setting(
+        None,
+        "CONVEYOR_GPU_LOCK_DIR",
+        "workers sharing a machine's GPUs each claim one through lock files in this directory",
+        shown="unset (compose: `/locks`)",
+    )
+    max_online_prompts: int = setting(
+        2048,
+        "CONVEYOR_MAX_ONLINE_PROMPTS",
+        'prompts in one completion\'s `prompt` list; more is a 400 with `param: "prompt"`, '
+        "refused before the prompts are checked",
+        shown="2048 (OpenAI's limit)",
+        group=ONLINE,
+    )
+    max_online_request_sequences: int = setting(
+        4096,
+        "CONVEYOR_MAX_ONLINE_REQUEST_SEQUENCES",
+        'sequences one request asks for, prompts × `n`; more is a 400 with `param: "n"`',
+        group=ONLINE,
+    )
+    max_online_sequences: int = setting(
+        8192,
+        "CONVEYOR_MAX_ONLINE_SEQUENCES",
+        "one project's online sequences (prompts × `n`) in flight at once; past it a 429 "
+        "`rate_limit_exceeded` with `Retry-After`. Counted in Redis when there is one (shared "
+        "by every API process; a count an API process could not give back expires "
+        "`CONVEYOR_ONLINE_TIMEOUT` + 60 s after the project's last request), else in the "
+        "API's process",
+        group=ONLINE,
+    )
+    online_rate_limit: float = setting(
+        0.0,
+        "CONVEYOR_ONLINE_RATE_LIMIT",
+        "completions (plain, chat, streamed) one project may start per second, nginx's "
+        "`limit_req`: past its burst a 429 `rate_limit_exceeded` with `Retry-After` (the "
+        "seconds until the next one may start). Set it where online clients are not trusted: "
+        "a client that opens requests in a loop otherwise takes the engine from the batches "
+        "as fast as it is answered. Counted in Redis when there is one (shared by every API "
+        "process, in Redis's clock), else in the API's process",
+        shown="0 (none)",
+        group=ONLINE,
+    )
+    online_burst: int = setting(
+        0, "CONVEYOR_ONLINE_BURST", "requests a project may start at once over the rate",
+        shown="the rate, rounded up", group=ONLINE,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.auth not in AUTH_MODES:
@@ -124,38 +279,13 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> Settings:
-        return cls(
-            data_dir=Path(os.environ.get("CONVEYOR_DATA_DIR") or "conveyor-data"),
-            database_url=os.environ.get("DATABASE_URL") or None,
-            redis_url=os.environ.get("REDIS_URL") or None,
-            shard_size=_env_int("CONVEYOR_SHARD_SIZE", 32),
-            visibility_timeout=_env_int("CONVEYOR_VISIBILITY_TIMEOUT", 3600),
-            heartbeat_interval=_env_float("CONVEYOR_HEARTBEAT_INTERVAL", 2.0),
-            heartbeat_timeout=_env_float("CONVEYOR_HEARTBEAT_TIMEOUT", 30.0),
-            reconcile_interval=_env_float("CONVEYOR_RECONCILE_INTERVAL", 10.0),
-            affinity_backlog=_env_int("CONVEYOR_AFFINITY_BACKLOG", 16),
-            max_upload_bytes=_env_int("CONVEYOR_MAX_UPLOAD_BYTES", 200 * 1024 * 1024),
-            max_line_bytes=_env_int("CONVEYOR_MAX_LINE_BYTES", 8 * 1024 * 1024),
-            max_batch_lines=_env_int("CONVEYOR_MAX_BATCH_LINES", 50_000),
-            gpu_lock_dir=Path(lock) if (lock := os.environ.get("CONVEYOR_GPU_LOCK_DIR")) else None,
-            auth=(os.environ.get("CONVEYOR_AUTH") or "off").strip().lower(),
-            max_tokens_cap=_env_int("CONVEYOR_MAX_TOKENS", 0),
-            max_batches_in_flight=_env_int("CONVEYOR_MAX_BATCHES_IN_FLIGHT", 0),
-            max_json_body_bytes=_env_int("CONVEYOR_MAX_JSON_BODY_BYTES", 1024 * 1024),
-            max_completion_window=(
-                os.environ.get("CONVEYOR_MAX_COMPLETION_WINDOW") or "168h"
-            ).strip(),
-            shutdown_timeout=_env_float("CONVEYOR_SHUTDOWN_TIMEOUT", 60.0),
-            log_format=(os.environ.get("CONVEYOR_LOG_FORMAT") or "text").strip().lower(),
-            max_shard_attempts=_env_int("CONVEYOR_MAX_SHARD_ATTEMPTS", 3),
-            max_request_failures=_env_int("CONVEYOR_MAX_REQUEST_FAILURES", 2),
-            online_timeout=_env_float("CONVEYOR_ONLINE_TIMEOUT", 600.0),
-            max_online_prompts=_env_int("CONVEYOR_MAX_ONLINE_PROMPTS", 2048),
-            max_online_request_sequences=_env_int("CONVEYOR_MAX_ONLINE_REQUEST_SEQUENCES", 4096),
-            max_online_sequences=_env_int("CONVEYOR_MAX_ONLINE_SEQUENCES", 8192),
-            online_rate_limit=_env_float("CONVEYOR_ONLINE_RATE_LIMIT", 0.0),
-            online_burst=_env_int("CONVEYOR_ONLINE_BURST", 0),
-        )
+        """The settings of the environment: each field from its variable, where set."""
+        values = {}
+        for f in fields(cls):
+            raw = (os.environ.get(f.metadata["env"]) or "").strip()
+            if raw:
+                values[f.name] = _parsed(f, raw)
+        return cls(**values)
 
     @property
     def online_rate_burst(self) -> int:

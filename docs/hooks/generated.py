@@ -2,6 +2,7 @@
 nothing is written twice. A page asks for one with a line of its own:
 
     {{ engine_options }}          every engine flag, its CONVEYOR_<OPTION> form and its help
+    {{ settings GROUP }}          the service's settings of GROUP (`conveyor.settings.setting`)
     {{ bench_runs NAME }}         the runs recorded in bench/results/NAME.jsonl
 """
 
@@ -30,7 +31,7 @@ BENCH_COLUMNS = {
     "triton_decode_sweep": ["device", "DECODE_BLOCK_N", "DECODE_NUM_WARPS",
                             "DECODE_NUM_STAGES", "share_of_copy"],
 }  # fmt: skip
-MARKER = re.compile(r"^\{\{ (engine_options|bench_runs) ?([a-z_]*) \}\}$", re.M)
+MARKER = re.compile(r"^\{\{ (engine_options|bench_runs|settings) ?([a-z_]*) \}\}$", re.M)
 
 
 def on_page_markdown(markdown: str, **_: object) -> str:
@@ -38,7 +39,28 @@ def on_page_markdown(markdown: str, **_: object) -> str:
 
 
 def _render(kind: str, arg: str) -> str:
+    if kind == "settings":
+        return settings_table(arg)
     return engine_options() if kind == "engine_options" else bench_runs(arg)
+
+
+def settings_table(group: str) -> str:
+    """The settings of `group`, each with its variable, default and meaning, as declared."""
+    from dataclasses import MISSING, fields
+
+    from conveyor.settings import Settings
+
+    rows = ["| setting (environment) | default | meaning |", "|---|---|---|"]
+    for f in fields(Settings):
+        meta = f.metadata
+        if meta["group"] != group:
+            continue
+        default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+        shown = meta["shown"] or ("unset" if default is None else f"{default:g}")
+        rows.append(f"| `{meta['env']}` | {shown} | {_cell(meta['doc'])} |")
+    if len(rows) == 2:
+        raise ValueError(f"no settings in group {group!r}")
+    return "\n".join(rows)
 
 
 def engine_options() -> str:

@@ -24,6 +24,7 @@ from conveyor.cli.common import EXIT_TOO_MANY_FAILED
 from conveyor.env_args import env_name, option_actions
 from conveyor.testing import Stack, create_key, free_port
 from deploy.api_requirements import ENGINE_PACKAGES, api_requirements
+from docs.hooks import generated as docs_pages
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -184,7 +185,7 @@ def test_the_gpu_image_can_build_triton_and_runs_the_tested_torch() -> None:
 def code_env_reads() -> set[str]:
     """Environment variables our code reads by name."""
     pattern = re.compile(
-        r"(?:os\.environ\.get|os\.getenv|os\.environ\[|_env_int|_env_float)\(?\s*\"([A-Z_][A-Z0-9_]*)\""
+        r"(?:os\.environ\.get\(|os\.getenv\(|os\.environ\[|setting\(\s*[^,]+,)\s*\"([A-Z_][A-Z0-9_]*)\""
     )
     names: set[str] = set()
     for d in SOURCE_DIRS:
@@ -202,7 +203,9 @@ def worker_option_env() -> set[str]:
 def documented_settings() -> dict[str, str]:
     """`| \\`NAME\\` | default | meaning |` rows of the documentation's pages (docs/
     configuration.md, and the pages that explain a group of them): name -> default."""
-    text = "\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
+    text = "\n".join(
+        docs_pages.on_page_markdown(p.read_text()) for p in sorted((ROOT / "docs").glob("*.md"))
+    )
     rows = re.findall(r"^\| `([A-Z_][A-Z0-9_<>]*)` \| ([^|]+) \|", text, re.M)
     return {name: default.strip() for name, default in rows}
 
