@@ -15,8 +15,6 @@ from conveyor.api import schemas
 from conveyor.api.deps import AppState
 from conveyor.api.errors import APIError
 from conveyor.api.lookups import get_file
-from conveyor.batch_format.errors import IDEMPOTENCY_KEY_REUSED, INVALID_REQUEST, TOO_MANY_BATCHES
-from conveyor.batch_format.validation import Validation, validate
 from conveyor.dispatch.celery_app import send_shards
 from conveyor.dispatch.queues import queue_for
 from conveyor.dispatch.routing import Router
@@ -29,6 +27,8 @@ from conveyor.ledger.shard_lifecycle import ShardTask, mark_enqueued
 from conveyor.ledger.states import TERMINAL
 from conveyor.ledger.workers import workers_by_queue
 from conveyor.settings import window_seconds
+from conveyor.wire_format.errors import IDEMPOTENCY_KEY_REUSED, INVALID_REQUEST, TOO_MANY_BATCHES
+from conveyor.wire_format.validation import Validation, validate
 
 log = logging.getLogger(__name__)
 

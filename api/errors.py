@@ -12,7 +12,7 @@ from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from conveyor.batch_format.errors import (
+from conveyor.wire_format.errors import (
     DATABASE_UNAVAILABLE,
     INVALID_REQUEST,
     NOT_FOUND,

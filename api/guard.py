@@ -23,11 +23,11 @@ from starlette.types import Receive, Scope, Send
 from conveyor.api.deps import AppState
 from conveyor.api.errors import APIError, not_found
 from conveyor.api.params import ID_CHARS
-from conveyor.batch_format.errors import INVALID_API_KEY, INVALID_REQUEST, REQUEST_TOO_LARGE
-from conveyor.batch_format.text import unstorable
 from conveyor.ledger.keys import find_key
 from conveyor.ledger.models import DEFAULT_PROJECT
 from conveyor.settings import Settings
+from conveyor.wire_format.errors import INVALID_API_KEY, INVALID_REQUEST, REQUEST_TOO_LARGE
+from conveyor.wire_format.text import unstorable
 
 MAX_JSON_DEPTH = 64
 

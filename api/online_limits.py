@@ -12,10 +12,10 @@ import math
 from typing import Any
 
 from conveyor.api.errors import APIError
-from conveyor.batch_format.errors import INVALID_REQUEST, RATE_LIMIT_EXCEEDED
-from conveyor.batch_format.request_line import OnlineRequest
 from conveyor.dispatch.online import OnlineBus
 from conveyor.settings import Settings
+from conveyor.wire_format.errors import INVALID_REQUEST, RATE_LIMIT_EXCEEDED
+from conveyor.wire_format.request_line import OnlineRequest
 
 RETRY_AFTER_SECONDS = 2
 

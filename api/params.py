@@ -9,8 +9,8 @@ from typing import Annotated
 
 from pydantic import AfterValidator, StringConstraints
 
-from conveyor.batch_format.text import unstorable
 from conveyor.ledger.models import BatchRow, FileRow, ResultRow
+from conveyor.wire_format.text import unstorable
 
 ID_CHARS = FileRow.__table__.c.id.type.length
 assert ID_CHARS == BatchRow.__table__.c.id.type.length == ResultRow.__table__.c.line_id.type.length

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from conveyor.api.errors import APIError
-from conveyor.batch_format.errors import FileLimitError
-from conveyor.batch_format.lines import FileLimits, LineCounter
+from conveyor.wire_format.errors import FileLimitError
+from conveyor.wire_format.lines import FileLimits, LineCounter
 
 
 def too_large(err: FileLimitError) -> APIError:

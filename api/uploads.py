@@ -16,11 +16,11 @@ from starlette.requests import ClientDisconnect, Request
 from conveyor.api.errors import APIError
 from conveyor.api.guard import KeyedRoute
 from conveyor.api.storage import UploadWriter, too_large
-from conveyor.batch_format.errors import EMPTY_FILE, INVALID_REQUEST, UNKNOWN_PARAMETER
-from conveyor.batch_format.lines import file_too_large
-from conveyor.batch_format.text import unstorable
 from conveyor.ledger.models import FileRow
 from conveyor.settings import Settings
+from conveyor.wire_format.errors import EMPTY_FILE, INVALID_REQUEST, UNKNOWN_PARAMETER
+from conveyor.wire_format.lines import file_too_large
+from conveyor.wire_format.text import unstorable
 
 MULTIPART_OVERHEAD = 64 * 1024  # the form around the file: boundaries, part headers, purpose
 PART_HEADER_BYTES = 8 * 1024

@@ -17,11 +17,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import IO, Any
 
-from conveyor.batch_format.request_line import BatchLineParser, ParsedRequest
-from conveyor.batch_format.result_lines import (
-    dump_line,
-)
-from conveyor.batch_format.token_text import TokenDecoder
 from conveyor.engine.errors import InvalidRequestError
 from conveyor.request_outcome import (
     PreparedLine,
@@ -30,6 +25,11 @@ from conveyor.request_outcome import (
     prepare_line,
     refused_line,
 )
+from conveyor.wire_format.request_line import BatchLineParser, ParsedRequest
+from conveyor.wire_format.result_lines import (
+    dump_line,
+)
+from conveyor.wire_format.token_text import TokenDecoder
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 
-from conveyor.batch_format.errors import IDEMPOTENCY_KEY_REUSED
 from conveyor.ledger.states import TERMINAL
+from conveyor.wire_format.errors import IDEMPOTENCY_KEY_REUSED
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 API_OUTAGE_TOLERANCE = 300.0  # seconds a waiting client rides out an unreachable API

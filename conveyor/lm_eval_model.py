@@ -35,9 +35,9 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.api_models import LMEVAL_MODEL_NONE_ANSWER_PLACEHOLDER, JsonChatStr
 from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-from conveyor.batch_format.bodies import CHAT_URL, COMPLETIONS_URL
 from conveyor.client import DEFAULT_URL, ConveyorClient
 from conveyor.ledger.states import BatchStatus
+from conveyor.wire_format.bodies import CHAT_URL, COMPLETIONS_URL
 
 MODEL_TYPE = "conveyor"
 BATCH_LINES = 50_000  # the service's default CONVEYOR_MAX_BATCH_LINES

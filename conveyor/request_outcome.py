@@ -19,22 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from conveyor.batch_format.errors import (
-    CHAT_TEMPLATE_ERROR,
-    CONTEXT_LENGTH_EXCEEDED,
-    INTERNAL_ERROR,
-    INVALID_PROMPT,
-    INVALID_RESPONSE_FORMAT,
-    INVALID_SAMPLING_PARAMS,
-    BatchRequestError,
-)
-from conveyor.batch_format.request_line import ParsedRequest, peek_custom_id
-from conveyor.batch_format.result_lines import (
-    build_error_line,
-    build_output_line,
-    error_line_from_exception,
-)
-from conveyor.batch_format.token_text import TokenDecoder
 from conveyor.engine.errors import (
     ContextLengthError,
     InvalidPromptError,
@@ -43,6 +27,22 @@ from conveyor.engine.errors import (
     StructuredOutputError,
 )
 from conveyor.engine.sampling_params import SamplingParams
+from conveyor.wire_format.errors import (
+    CHAT_TEMPLATE_ERROR,
+    CONTEXT_LENGTH_EXCEEDED,
+    INTERNAL_ERROR,
+    INVALID_PROMPT,
+    INVALID_RESPONSE_FORMAT,
+    INVALID_SAMPLING_PARAMS,
+    RequestError,
+)
+from conveyor.wire_format.request_line import ParsedRequest, peek_custom_id
+from conveyor.wire_format.result_lines import (
+    build_error_line,
+    build_output_line,
+    error_line_from_exception,
+)
+from conveyor.wire_format.token_text import TokenDecoder
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def internal_error(request_id: str) -> str:
 
 def engine_error(
     err: BaseException | RequestFailure, request: ParsedRequest, request_id: str
-) -> BatchRequestError:
+) -> RequestError:
     """The error line (or online error) of a request the engine refused or gave up on, by the
     error's kind and field. A fault of the engine's says "internal error" and `request_id`,
     which the log line with the details carries."""
@@ -75,7 +75,7 @@ def engine_error(
     kind = failure.kind
     if kind is None:  # the engine's fault
         log.error("request %s: internal error: %s", request_id, failure.message)
-        return BatchRequestError(
+        return RequestError(
             internal_error(request_id),
             code=INTERNAL_ERROR,
             status_code=500,
@@ -89,11 +89,11 @@ def engine_error(
     else:
         field = failure.field
         param = None if field is None else f"body.{_BODY_FIELD.get(field, field)}"
-    return BatchRequestError(failure.message, code=code, param=param, **where)
+    return RequestError(failure.message, code=code, param=param, **where)
 
 
 def prepare_request(llm: Any, request: ParsedRequest) -> tuple[str | list[int], SamplingParams]:
-    """The engine prompt and sampling params of a parsed line. Raises `BatchRequestError`."""
+    """The engine prompt and sampling params of a parsed line. Raises `RequestError`."""
     try:
         params = SamplingParams(**request.sampling)
     except InvalidRequestError as err:
@@ -104,7 +104,7 @@ def prepare_request(llm: Any, request: ParsedRequest) -> tuple[str | list[int], 
     try:
         return llm.apply_chat_template(request.messages or []), params
     except Exception as err:  # template errors come in many exception types
-        raise BatchRequestError(
+        raise RequestError(
             f"could not apply the chat template: {err}",
             code=CHAT_TEMPLATE_ERROR,
             line=request.line,
@@ -134,7 +134,7 @@ def prepare_line(
     try:
         parsed = parse(raw, line)
         prompt, params = prepare_request(llm, parsed)
-    except BatchRequestError as err:
+    except RequestError as err:
         return error_line_from_exception(err)
     except Exception:  # a fault of ours with this line: it fails alone
         log.exception("request %s: internal error while preparing it", request_id)

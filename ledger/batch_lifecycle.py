@@ -12,13 +12,13 @@ from typing import IO, Any
 from sqlalchemy import Row, bindparam, func, select, update
 from sqlalchemy.orm import Session
 
-from conveyor.batch_format.errors import BATCH_CANCELLED, BATCH_EXPIRED
-from conveyor.batch_format.validation import Validation
 from conveyor.ledger.ids import new_file_id
 from conveyor.ledger.intake import store_requests
 from conveyor.ledger.models import BatchRow, FileRow, RequestRow, ResultRow, ShardRow
 from conveyor.ledger.results import close_unfinished
 from conveyor.ledger.states import CANCELLABLE, BatchStatus, ShardStatus
+from conveyor.wire_format.errors import BATCH_CANCELLED, BATCH_EXPIRED
+from conveyor.wire_format.validation import Validation
 
 _batches, _shards = BatchRow.__table__, ShardRow.__table__
 # a batch's (status, expires_at), locked: every shard that finishes asks, so it is built once

@@ -14,11 +14,11 @@ from typing import IO, Any
 from sqlalchemy import insert
 from sqlalchemy.orm import Session
 
-from conveyor.batch_format.result_lines import error_line_from_exception
-from conveyor.batch_format.validation import LineRecord, Validation
 from conveyor.ledger.models import BatchRow, RequestRow, ResultRow, ShardRow
 from conveyor.ledger.results import INSERT_CHUNK, result_row
 from conveyor.ledger.states import ShardStatus
+from conveyor.wire_format.result_lines import error_line_from_exception
+from conveyor.wire_format.validation import LineRecord, Validation
 
 
 def store_requests(

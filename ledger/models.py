@@ -23,7 +23,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from conveyor.batch_format.validation import CUSTOM_ID_MAX_CHARS, MODEL_MAX_CHARS
+from conveyor.wire_format.validation import CUSTOM_ID_MAX_CHARS, MODEL_MAX_CHARS
 
 # BIGINT on Postgres, INTEGER on SQLite (where only INTEGER PRIMARY KEY autoincrements)
 BigId = BigInteger().with_variant(Integer(), "sqlite")

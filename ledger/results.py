@@ -10,8 +10,8 @@ from typing import Any
 from sqlalchemy import Row, bindparam, select, update
 from sqlalchemy.orm import Session
 
-from conveyor.batch_format.result_lines import build_error_line, dump_line
 from conveyor.ledger.models import BatchRow, RequestRow, ResultRow
+from conveyor.wire_format.result_lines import build_error_line, dump_line
 
 INSERT_CHUNK = 2000  # rows per statement when many error lines go in at once
 

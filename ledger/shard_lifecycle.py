@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from sqlalchemy import and_, bindparam, case, or_, select, update
 from sqlalchemy.orm import Session
 
-from conveyor.batch_format.errors import REQUEST_QUARANTINED
 from conveyor.ledger.batch_lifecycle import advance_locked, lock_batch_state
 from conveyor.ledger.models import BatchRow, RequestRow, ResultRow, ShardRow
 from conveyor.ledger.results import close_unfinished
 from conveyor.ledger.states import BatchStatus, ShardStatus
+from conveyor.wire_format.errors import REQUEST_QUARANTINED
 
 _shards, _batches = ShardRow.__table__, BatchRow.__table__
 _requests, _results = RequestRow.__table__, ResultRow.__table__

@@ -207,10 +207,10 @@ def test_the_engine_and_kernels_import_no_service_layer() -> None:
     assert offenders(engine, SERVICE_LAYERS + WEB_AND_DATABASE) == {}
 
 
-def test_the_batch_format_imports_no_torch_database_or_web_framework() -> None:
+def test_the_wire_format_imports_no_torch_database_or_web_framework() -> None:
     forbidden = ("torch", "transformers", *(f"conveyor.{p}" for p in ("engine", "kernels")))
     forbidden += SERVICE_LAYERS[:3]
-    assert offenders(("conveyor.batch_format",), forbidden + WEB_AND_DATABASE) == {}
+    assert offenders(("conveyor.wire_format",), forbidden + WEB_AND_DATABASE) == {}
 
 
 def long_functions() -> list[str]:

@@ -2,7 +2,7 @@
 engine's queue (ahead of batch work), answered through the bus while the client waits.
 
 Completions and chat completions are checked and answered with the batch lines' own code
-(`conveyor.batch_format`): the same bodies, the same response objects. Tokenizing answers
+(`conveyor.wire_format`): the same bodies, the same response objects. Tokenizing answers
 at once from this thread. Answers go out from a thread of their own, so the engine's loop never
 waits on the bus, and cancellations (a client that went away) come in on another, so that its
 sequences are aborted before the engine's next step, not when this thread next looks.
@@ -23,34 +23,34 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from conveyor.batch_format.bodies import (
+from conveyor.dispatch.online import OnlineBus, OnlineMessage
+from conveyor.request_outcome import engine_error, internal_error, prepare_request
+from conveyor.wire_format.bodies import (
     CHAT_URL,
     COMPLETIONS_URL,
     MAX_INT,
     DetokenizeBody,
     TokenizeBody,
 )
-from conveyor.batch_format.errors import (
+from conveyor.wire_format.errors import (
     INTERNAL_ERROR,
     INVALID_REQUEST,
     MODEL_UNAVAILABLE,
-    BatchRequestError,
+    RequestError,
     error_body,
 )
-from conveyor.batch_format.request_line import (
+from conveyor.wire_format.request_line import (
     OnlineRequest,
     parse_online_body,
     validation_message,
 )
-from conveyor.batch_format.responses import (
+from conveyor.wire_format.responses import (
     chat_completion_body,
     merged_body,
     text_completion_body,
 )
-from conveyor.batch_format.streaming import ChunkStream
-from conveyor.batch_format.token_text import TokenDecoder
-from conveyor.dispatch.online import OnlineBus, OnlineMessage
-from conveyor.request_outcome import engine_error, internal_error, prepare_request
+from conveyor.wire_format.streaming import ChunkStream
+from conveyor.wire_format.token_text import TokenDecoder
 from conveyor.worker.engine_service import EngineJob, EngineService
 from conveyor.worker.metrics import ONLINE_ABORTS
 
@@ -141,7 +141,7 @@ class OnlineServer(threading.Thread):
                 self._start(message)
             else:
                 self._answer(message, self._tokenizer_answer(message))
-        except BatchRequestError as err:
+        except RequestError as err:
             param = err.param.removeprefix("body.") if err.param else None
             self._answer(message, error_answer(err.status_code, err.detail, err.code, param))
         except ValidationError as err:
@@ -184,9 +184,7 @@ class OnlineServer(threading.Thread):
     def _tokenizer_answer(self, message: OnlineMessage) -> dict[str, Any]:
         tokenizer = getattr(self.engine, "tokenizer", None)
         if tokenizer is None or not hasattr(tokenizer, "encode"):
-            raise BatchRequestError(
-                "this model has no tokenizer", code=INVALID_REQUEST, param="model"
-            )
+            raise RequestError("this model has no tokenizer", code=INVALID_REQUEST, param="model")
         if message.kind == "tokenizer_info":
             return {"status": 200, "body": tokenizer_info(tokenizer, self.engine)}
         if message.kind == "detokenize":
@@ -362,7 +360,7 @@ def check_token_ids(tokens: list[int], vocab_size: int | None) -> None:
     for token in tokens:
         if not 0 <= token < limit:
             where = f"[0, {vocab_size})" if vocab_size is not None else "the vocabulary"
-            raise BatchRequestError(
+            raise RequestError(
                 f"token id {token} is outside {where}", code=INVALID_REQUEST, param="tokens"
             )
 

@@ -20,17 +20,6 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from conveyor.batch_format.errors import REQUEST_QUARANTINED
-from conveyor.batch_format.request_line import (
-    ParsedRequest,
-    apply_max_tokens_cap,
-    parse_request_line,
-    peek_custom_id,
-)
-from conveyor.batch_format.result_lines import (
-    build_error_line,
-)
-from conveyor.batch_format.token_text import TokenDecoder
 from conveyor.dispatch.celery_app import make_celery
 from conveyor.dispatch.online import bus_for, online_queue
 from conveyor.dispatch.queues import queue_for, worker_queue
@@ -51,6 +40,17 @@ from conveyor.ledger.workers import announce, withdraw
 from conveyor.logs import bind, log_context
 from conveyor.request_outcome import PreparedLine, output_line, prepare_line, refused_line
 from conveyor.settings import Settings
+from conveyor.wire_format.errors import REQUEST_QUARANTINED
+from conveyor.wire_format.request_line import (
+    ParsedRequest,
+    apply_max_tokens_cap,
+    parse_request_line,
+    peek_custom_id,
+)
+from conveyor.wire_format.result_lines import (
+    build_error_line,
+)
+from conveyor.wire_format.token_text import TokenDecoder
 from conveyor.worker.engine_service import EngineJob, EngineService
 from conveyor.worker.metrics import WorkerMetrics
 from conveyor.worker.online import OnlineServer

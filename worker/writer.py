@@ -28,12 +28,12 @@ import psycopg
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from conveyor.batch_format.errors import INTERNAL_ERROR
-from conveyor.batch_format.result_lines import build_error_line
-from conveyor.batch_format.text import unstorable
 from conveyor.ledger.db import Ledger, is_transient
 from conveyor.ledger.results import record_results, result_row
 from conveyor.ledger.shard_lifecycle import close_shards
+from conveyor.wire_format.errors import INTERNAL_ERROR
+from conveyor.wire_format.result_lines import build_error_line
+from conveyor.wire_format.text import unstorable
 
 log = logging.getLogger(__name__)
 

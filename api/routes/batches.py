@@ -17,9 +17,9 @@ from conveyor.api.guard import KeyedRoute
 from conveyor.api.lookups import get_batch
 from conveyor.api.params import IdempotencyKey, IdText, ModelText
 from conveyor.api.results import result_lines, seq_after
-from conveyor.batch_format.errors import BATCH_NOT_CANCELLABLE
 from conveyor.ledger import batch_lifecycle
 from conveyor.ledger.states import BatchStatus
+from conveyor.wire_format.errors import BATCH_NOT_CANCELLABLE
 
 router = APIRouter(
     prefix="/v1/batches", tags=["batches"], responses=schemas.V1_ERRORS, route_class=KeyedRoute

@@ -20,11 +20,11 @@ from conveyor.api.pagination import keyset_page
 from conveyor.api.params import IdText, PurposeText
 from conveyor.api.results import result_lines
 from conveyor.api.uploads import UPLOAD_FORM, UploadRoute, receive_upload
-from conveyor.batch_format.errors import NOT_FOUND
-from conveyor.batch_format.lines import FileLimits
 from conveyor.ledger.erasure import erase_input_copies, erase_results
 from conveyor.ledger.ids import new_file_id
 from conveyor.ledger.models import FileRow
+from conveyor.wire_format.errors import NOT_FOUND
+from conveyor.wire_format.lines import FileLimits
 
 router = APIRouter(
     prefix="/v1/files", tags=["files"], responses=schemas.V1_ERRORS, route_class=KeyedRoute

@@ -2,7 +2,7 @@
 streamed, `stream: true`), and vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`: answered
 by the workers that run batches, in the same continuous batches and ahead of them.
 
-Bodies are checked as batch lines' bodies are (`conveyor.batch_format`), and answered with the
+Bodies are checked as batch lines' bodies are (`conveyor.wire_format`), and answered with the
 same response objects. An unknown model is a 404 `model_not_found` at once, a model no live
 worker serves a 503, and an answer that does not come within `CONVEYOR_ONLINE_TIMEOUT` a 504.
 Completions are held to the limits of `api.online_limits` (400, or 429 for a project with too
@@ -29,18 +29,18 @@ from conveyor.api.errors import APIError
 from conveyor.api.guard import KeyedRoute
 from conveyor.api.online_lease import LeasedStream, OnlineLease, unless_gone
 from conveyor.api.online_limits import check_prompt_count, check_rate, check_sequences, sequences_of
-from conveyor.batch_format.bodies import CHAT_URL, COMPLETIONS_URL, DetokenizeBody, TokenizeBody
-from conveyor.batch_format.errors import (
+from conveyor.dispatch.online import AnswerTimeout, OnlineMessage, online_queue
+from conveyor.dispatch.queues import queue_for
+from conveyor.ledger.workers import served_models
+from conveyor.wire_format.bodies import CHAT_URL, COMPLETIONS_URL, DetokenizeBody, TokenizeBody
+from conveyor.wire_format.errors import (
     INVALID_REQUEST,
     MODEL_NOT_FOUND,
     MODEL_UNAVAILABLE,
     TIMEOUT,
-    BatchRequestError,
+    RequestError,
 )
-from conveyor.batch_format.request_line import parse_online_body, validation_message
-from conveyor.dispatch.online import AnswerTimeout, OnlineMessage, online_queue
-from conveyor.dispatch.queues import queue_for
-from conveyor.ledger.workers import served_models
+from conveyor.wire_format.request_line import parse_online_body, validation_message
 
 ONLINE_ERRORS = schemas.error_responses(404, 413, 422, 503, 504)
 ANSWERS = {
@@ -104,7 +104,7 @@ async def _complete(
     check_prompt_count(body, settings)
     try:
         online = parse_online_body(url, body, max_tokens_cap=settings.max_tokens_cap or None)
-    except BatchRequestError as err:
+    except RequestError as err:
         raise _online_error(err) from None
     check_sequences(online, settings)
     queue = await _queue_of(state, online.model)
@@ -223,7 +223,7 @@ def _checked(model_cls: type[TokenizeBody] | type[DetokenizeBody], body: dict[st
         raise APIError(400, message, code=code, param=param or None) from None
 
 
-def _online_error(err: BatchRequestError) -> APIError:
+def _online_error(err: RequestError) -> APIError:
     """A body's error, named as an online client names its fields (`temperature`, not
     `body.temperature`)."""
     param = err.param.removeprefix("body.") if err.param else None

@@ -69,7 +69,7 @@ def add_run_batch(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
-    from conveyor.batch_format.lines import count_request_lines
+    from conveyor.wire_format.lines import count_request_lines
 
     input_path = Path(args.input)
     if not input_path.is_file():
@@ -110,8 +110,8 @@ def _run_batch(args: argparse.Namespace, llm: Any, input_path: Path, total: int)
     """Run the `total` request lines of `input_path` through `llm`, writing as they finish."""
     from tqdm.auto import tqdm
 
-    from conveyor.batch_format.lines import iter_request_lines
     from conveyor.batch_runner import BatchRunner
+    from conveyor.wire_format.lines import iter_request_lines
 
     served = args.served_model_name
     with contextlib.ExitStack() as files:

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from conveyor.batch_format.errors import FileLimitError
-from conveyor.batch_format.lines import FileLimits, LineCounter
-from conveyor.batch_format.validation import validate
 from conveyor.testing import batch_lines
+from conveyor.wire_format.errors import FileLimitError
+from conveyor.wire_format.lines import FileLimits, LineCounter
+from conveyor.wire_format.validation import validate
 
 CHAT = "/v1/chat/completions"
 

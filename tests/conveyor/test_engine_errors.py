@@ -7,15 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.batch_format.bodies import CHAT_URL, COMPLETIONS_URL
-from conveyor.batch_format.errors import (
-    CONTEXT_LENGTH_EXCEEDED,
-    INTERNAL_ERROR,
-    INVALID_PROMPT,
-    INVALID_RESPONSE_FORMAT,
-    INVALID_SAMPLING_PARAMS,
-)
-from conveyor.batch_format.request_line import ParsedRequest
 from conveyor.engine.errors import (
     ContextLengthError,
     InvalidPromptError,
@@ -26,6 +17,15 @@ from conveyor.engine.errors import (
 )
 from conveyor.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from conveyor.request_outcome import engine_error
+from conveyor.wire_format.bodies import CHAT_URL, COMPLETIONS_URL
+from conveyor.wire_format.errors import (
+    CONTEXT_LENGTH_EXCEEDED,
+    INTERNAL_ERROR,
+    INVALID_PROMPT,
+    INVALID_RESPONSE_FORMAT,
+    INVALID_SAMPLING_PARAMS,
+)
+from conveyor.wire_format.request_line import ParsedRequest
 
 COMPLETION = ParsedRequest("c", COMPLETIONS_URL, "m", {}, prompt="hi", line=3)
 CHAT = ParsedRequest("c", CHAT_URL, "m", {}, messages=[{"role": "user", "content": "hi"}])

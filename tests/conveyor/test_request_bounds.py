@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 
-from conveyor.batch_format.bodies import CHAT_URL, COMPLETIONS_URL
-from conveyor.batch_format.errors import BatchRequestError
-from conveyor.batch_format.request_line import parse_online_body
 from conveyor.engine import LLM
 from conveyor.engine.errors import InvalidRequestError
 from conveyor.request_outcome import engine_error, prepare_request
+from conveyor.wire_format.bodies import CHAT_URL, COMPLETIONS_URL
+from conveyor.wire_format.errors import RequestError
+from conveyor.wire_format.request_line import parse_online_body
 from tests.request_strategies import CHATS, COMPLETIONS
 
 
@@ -37,7 +37,7 @@ def answer_or_refuse(llm: LLM, url: str, fields: dict) -> None:
     try:
         online = parse_online_body(url, body)
         runs = [prepare_request(llm, request) for request in online.requests]
-    except BatchRequestError as err:
+    except RequestError as err:
         event(f"refused at the door: {err.param}")
         assert err.status_code == 400 and err.param, err
         assert err.param.removeprefix("body.").split(".")[0].split("[")[0] in body, err

@@ -13,20 +13,20 @@ import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
-from conveyor.batch_format.bodies import (
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.wire_format.bodies import (
     CHAT_URL,
     COMPLETIONS_URL,
     ChatCompletionBody,
     CompletionBody,
 )
-from conveyor.batch_format.errors import (
+from conveyor.wire_format.errors import (
     UNKNOWN_PARAMETER,
     UNSUPPORTED_PARAMETER,
-    BatchRequestError,
+    RequestError,
 )
-from conveyor.batch_format.fields import ACCEPTED_WITHOUT_EFFECT, UNSUPPORTED
-from conveyor.batch_format.request_line import ParsedRequest, parse_request_line
-from conveyor.engine.sampling_params import SamplingParams
+from conveyor.wire_format.fields import ACCEPTED_WITHOUT_EFFECT, UNSUPPORTED
+from conveyor.wire_format.request_line import ParsedRequest, parse_request_line
 
 BASE = {
     CHAT_URL: {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
@@ -45,8 +45,8 @@ def parse(url: str, **fields: Any) -> ParsedRequest:
                                           "body": body}))  # fmt: skip
 
 
-def refusal(url: str, **fields: Any) -> BatchRequestError:
-    with pytest.raises(BatchRequestError) as info:
+def refusal(url: str, **fields: Any) -> RequestError:
+    with pytest.raises(RequestError) as info:
         parse(url, **fields)
     return info.value
 

@@ -10,11 +10,11 @@ import logging
 
 import pytest
 
-from conveyor.batch_format.request_line import parse_request_line
-from conveyor.batch_format.token_text import TokenDecoder
 from conveyor.engine.errors import InvalidSamplingParamsError, RequestFailure
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.request_outcome import PreparedLine, output_line, prepare_line, refused_line
+from conveyor.wire_format.request_line import parse_request_line
+from conveyor.wire_format.token_text import TokenDecoder
 
 LINE = {
     "custom_id": "a",

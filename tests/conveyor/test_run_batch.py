@@ -1,4 +1,4 @@
-"""`conveyor run-batch` and the OpenAI Batch format in `conveyor.batch_format`."""
+"""`conveyor run-batch` and the OpenAI Batch format in `conveyor.wire_format`."""
 
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ from typing import Any
 
 import pytest
 
-from conveyor.batch_format.bodies import CHAT_URL, COMPLETIONS_URL
-from conveyor.batch_format.errors import BatchRequestError
-from conveyor.batch_format.request_line import (
+from conveyor.engine.errors import ContextLengthError
+from conveyor.wire_format.bodies import CHAT_URL, COMPLETIONS_URL
+from conveyor.wire_format.errors import RequestError
+from conveyor.wire_format.request_line import (
     BatchLineParser,
     parse_request_line,
     parse_request_object,
 )
-from conveyor.batch_format.result_lines import build_error_line, build_output_line
-from conveyor.batch_format.token_text import TokenDecoder
-from conveyor.engine.errors import ContextLengthError
+from conveyor.wire_format.result_lines import build_error_line, build_output_line
+from conveyor.wire_format.token_text import TokenDecoder
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,8 +60,8 @@ def completion_line(custom_id: str, prompt: Any = "hi", **body: Any) -> str:
     return line(custom_id, COMPLETIONS_URL, {"model": "m", "prompt": prompt, **body})
 
 
-def parse_error(text: str, lineno: int = 7, **kwargs: Any) -> BatchRequestError:
-    with pytest.raises(BatchRequestError) as info:
+def parse_error(text: str, lineno: int = 7, **kwargs: Any) -> RequestError:
+    with pytest.raises(RequestError) as info:
         parse_request_line(text, line=lineno, **kwargs)
     return info.value
 
@@ -187,14 +187,14 @@ def test_error_messages(text: str, code: str, custom_id: str | None, needle: str
 def test_duplicate_custom_id() -> None:
     parser = BatchLineParser()
     parser.parse(chat_line("x"), 1)
-    with pytest.raises(BatchRequestError) as info:
+    with pytest.raises(RequestError) as info:
         parser.parse(completion_line("x"), 4)
     assert info.value.code == "duplicate_custom_id"
     assert str(info.value) == 'line 4: duplicate "custom_id" "x" (first used on line 1)'
     # An invalid line still claims its custom_id.
-    with pytest.raises(BatchRequestError):
+    with pytest.raises(RequestError):
         parser.parse(completion_line("y", temperature=-1), 5)
-    with pytest.raises(BatchRequestError, match="duplicate"):
+    with pytest.raises(RequestError, match="duplicate"):
         parser.parse(completion_line("y"), 6)
 
 
@@ -242,7 +242,7 @@ def test_lone_surrogates_fail_their_line(text: str, param: str, where: str) -> N
     assert where in str(err) and "not valid Unicode" in str(err)
     assert str(err).isascii()  # the message itself can be stored and written anywhere
     # the same check when the line comes in decoded, with no text to pre-test
-    with pytest.raises(BatchRequestError) as info:
+    with pytest.raises(RequestError) as info:
         parse_request_object(json.loads(text))
     assert (info.value.code, info.value.param) == ("invalid_unicode", param)
 
@@ -419,7 +419,7 @@ def test_sampling_kwargs_are_accepted_by_sampling_params() -> None:
 
 def test_parse_object_directly() -> None:
     obj = {"custom_id": "z", "method": "POST", "url": CHAT_URL, "body": {"model": "m"}}
-    with pytest.raises(BatchRequestError, match='line 2: "body.messages" is required'):
+    with pytest.raises(RequestError, match='line 2: "body.messages" is required'):
         parse_request_object(obj, line=2)
 
 
@@ -579,7 +579,7 @@ def test_completion_output_line_plain_and_prompt_only() -> None:
 
 def test_error_line_shape() -> None:
     err = parse_error(line("a", "/v1/embeddings", {}), lineno=3)
-    from conveyor.batch_format.result_lines import error_line_from_exception
+    from conveyor.wire_format.result_lines import error_line_from_exception
 
     result = error_line_from_exception(err)
     assert result["id"].startswith("batch_req_") and result["custom_id"] == "a"
@@ -607,10 +607,10 @@ def test_token_decoder_bytes_for_byte_level_bpe() -> None:
     assert raw == "héllo wörld".encode()
 
 
-def test_batch_format_and_cli_help_do_not_import_torch() -> None:
+def test_wire_format_and_cli_help_do_not_import_torch() -> None:
     # the engine's flags come from its torch-free config: nothing else of the engine is loaded
     code = (
-        "import sys, conveyor.batch_format.result_lines, conveyor.batch_format.validation;"
+        "import sys, conveyor.wire_format.result_lines, conveyor.wire_format.validation;"
         "import conveyor.cli;"
         "conveyor.cli.build_parser();"
         "bad = [m for m in sys.modules if (m.split('.')[0] in ('torch', 'transformers')"
@@ -952,7 +952,7 @@ def test_runner_writes_lines_that_hold_lone_surrogates(tmp_path: Path) -> None:
 
 
 def test_dump_line_keeps_text_unless_it_cannot_be_utf8() -> None:
-    from conveyor.batch_format.result_lines import dump_line
+    from conveyor.wire_format.result_lines import dump_line
 
     assert dump_line({"t": "é 😀"}) == '{"t": "é 😀"}'
     assert dump_line({"t": "é \ud800"}) == '{"t": "\\u00e9 \\ud800"}'

@@ -7,8 +7,8 @@ import io
 
 import pytest
 
-from conveyor.batch_format.errors import FileLimitError
-from conveyor.batch_format.lines import FileLimits, LineCounter, iter_lines
+from conveyor.wire_format.errors import FileLimitError
+from conveyor.wire_format.lines import FileLimits, LineCounter, iter_lines
 
 LIMITS = FileLimits(max_bytes=1000, max_lines=4, max_line_bytes=10)
 

@@ -15,13 +15,13 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
-from conveyor.batch_format.validation import validate
 from conveyor.ledger import intake, results, shard_lifecycle
 from conveyor.ledger.db import Ledger
 from conveyor.ledger.migrate import alembic_config
 from conveyor.ledger.models import Base, BatchRow, RequestRow, ResultRow, ShardRow
 from conveyor.settings import normalize_database_url
 from conveyor.testing import batch_lines
+from conveyor.wire_format.validation import validate
 
 HEAD = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
 TABLES = {"files", "batches", "shards", "requests", "results", "workers", "alembic_version"}

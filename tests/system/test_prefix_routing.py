@@ -9,10 +9,10 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from conveyor.batch_format.prefix import prefix_key
-from conveyor.batch_format.request_line import parse_request_object
 from conveyor.dispatch.routing import owner
 from conveyor.testing import Stack, batch_lines, wait_for, write_jsonl
+from conveyor.wire_format.prefix import prefix_key
+from conveyor.wire_format.request_line import parse_request_object
 from tests.system.test_service import submit
 from tests.system.test_service_recovery import (
     assert_each_once,

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from conveyor.batch_format.token_text import TokenDecoder
 from conveyor.dispatch.online import LocalBus, OnlineMessage
 from conveyor.engine.errors import InvalidPromptError, InvalidSamplingParamsError, RequestFailure
 from conveyor.engine.outputs import RequestOutput
+from conveyor.wire_format.token_text import TokenDecoder
 from conveyor.worker.echo import EchoEngine
 from conveyor.worker.engine_service import EngineJob
 from conveyor.worker.metrics import ONLINE_ABORTS

@@ -7,13 +7,13 @@ import time
 
 import sqlalchemy as sa
 
-from conveyor.batch_format.errors import INTERNAL_ERROR
 from conveyor.ledger.db import Ledger
 from conveyor.ledger.models import BatchRow, ResultRow, ShardRow
 from conveyor.ledger.results import counts
 from conveyor.ledger.shard_lifecycle import claim_shard
 from conveyor.settings import normalize_database_url
 from conveyor.testing import batch_lines
+from conveyor.wire_format.errors import INTERNAL_ERROR
 from conveyor.worker.writer import PendingResults, ResultWriter, WriteItem
 from tests.ledger.test_ledger import make_batch, tally_results
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from conveyor.batch_format.errors import BatchRequestError, error_body
-from conveyor.batch_format.request_line import ParsedRequest
-from conveyor.batch_format.responses import chat_completion_body, new_id, text_completion_body
-from conveyor.batch_format.token_text import TokenDecoder
+from conveyor.wire_format.errors import RequestError, error_body
+from conveyor.wire_format.request_line import ParsedRequest
+from conveyor.wire_format.responses import chat_completion_body, new_id, text_completion_body
+from conveyor.wire_format.token_text import TokenDecoder
 
 
 def build_output_line(
@@ -77,7 +77,7 @@ def dump_line(obj: dict[str, Any]) -> str:
     return text
 
 
-def error_line_from_exception(err: BatchRequestError) -> dict[str, Any]:
+def error_line_from_exception(err: RequestError) -> dict[str, Any]:
     return build_error_line(
         err.custom_id,
         err.code,

@@ -49,8 +49,9 @@ TIMEOUT = "timeout"  # an online request not answered in time
 RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"  # a project over its online sequences (429)
 
 
-class BatchRequestError(Exception):
-    """A batch input line that cannot be run. `str(err)` is the full, human-readable message."""
+class RequestError(Exception):
+    """A request that cannot be run: a batch input line (`line` says which) or an online
+    request's body. `str(err)` is the full, human-readable message."""
 
     def __init__(
         self,

@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.batch_format.request_line import ParsedRequest
-from conveyor.batch_format.responses import chat_logprobs, completion_logprobs, new_id
-from conveyor.batch_format.token_text import TokenDecoder
+from conveyor.wire_format.request_line import ParsedRequest
+from conveyor.wire_format.responses import chat_logprobs, completion_logprobs, new_id
+from conveyor.wire_format.token_text import TokenDecoder
 
 
 @dataclass

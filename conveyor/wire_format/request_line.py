@@ -1,5 +1,5 @@
 """One line of a batch input file checked into a `ParsedRequest` (the prompt or chat messages,
-and keyword arguments for the engine's `SamplingParams`), or a `BatchRequestError` whose
+and keyword arguments for the engine's `SamplingParams`), or a `RequestError` whose
 message names the line and the offending field; and a file's lines parsed in order."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from typing import Any, NoReturn
 
 from pydantic import BaseModel, ValidationError
 
-from conveyor.batch_format.bodies import (
+from conveyor.wire_format.bodies import (
     CHAT_URL,
     SUPPORTED_URLS,
     ChatCompletionBody,
     CompletionBody,
 )
-from conveyor.batch_format.errors import (
+from conveyor.wire_format.errors import (
     DUPLICATE_CUSTOM_ID,
     INVALID_JSON,
     INVALID_METHOD,
@@ -28,15 +28,15 @@ from conveyor.batch_format.errors import (
     MODEL_NOT_FOUND,
     UNKNOWN_PARAMETER,
     UNSUPPORTED_PARAMETER,
-    BatchRequestError,
+    RequestError,
     describe,
 )
-from conveyor.batch_format.fields import (
+from conveyor.wire_format.fields import (
     MESSAGE_UNSUPPORTED,
     refused_field,
     without_empty_unsupported,
 )
-from conveyor.batch_format.text import MAX_JSON_DEPTH, check_body_text, path_text
+from conveyor.wire_format.text import MAX_JSON_DEPTH, check_body_text, path_text
 
 
 @dataclass
@@ -102,7 +102,7 @@ class _Line:
     custom_id: str | None = None
 
     def fail(self, message: str, code: str = INVALID_REQUEST, param: str | None = None) -> NoReturn:
-        raise BatchRequestError(
+        raise RequestError(
             message, code=code, line=self.number, custom_id=self.custom_id, param=param
         )
 
@@ -114,7 +114,7 @@ def parse_request_object(
     served_model_names: Iterable[str] | None = None,
     source_text: str | None = None,
 ) -> ParsedRequest:
-    """Check one decoded batch line. Raises `BatchRequestError`.
+    """Check one decoded batch line. Raises `RequestError`.
 
     `source_text`, the JSON text `obj` was decoded from, lets the body's walk for nesting and
     lone surrogates be skipped when the text shows it cannot hold them.
@@ -170,7 +170,7 @@ def parse_online_body(
     max_tokens_cap: int | None = None,
 ) -> OnlineRequest:
     """Check the body of an online request to `url` as a batch line's body is checked.
-    Raises `BatchRequestError`."""
+    Raises `RequestError`."""
     where = _Line(None)
     if not isinstance(body, dict):
         where.fail(f"the request body must be a JSON object, got {describe(body)}")
@@ -332,22 +332,22 @@ def parse_request_line(
     line: int | None = None,
     served_model_names: Iterable[str] | None = None,
 ) -> ParsedRequest:
-    """Decode and check one line of a batch input file. Raises `BatchRequestError`."""
+    """Decode and check one line of a batch input file. Raises `RequestError`."""
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise BatchRequestError(
+            raise RequestError(
                 f"not valid UTF-8 ({err.reason} at byte {err.start})", code=INVALID_JSON, line=line
             ) from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as err:
-        raise BatchRequestError(
+        raise RequestError(
             f"not valid JSON ({err.msg} at column {err.colno})", code=INVALID_JSON, line=line
         ) from None
     except RecursionError:
-        raise BatchRequestError(
+        raise RequestError(
             f"not valid JSON here: nested deeper than {MAX_JSON_DEPTH} levels",
             code=INVALID_JSON,
             line=line,
@@ -377,7 +377,7 @@ def apply_max_tokens_cap(request: ParsedRequest, cap: int | None) -> ParsedReque
     if asked is None:
         request.sampling["max_tokens"] = cap
     elif asked > cap:
-        raise BatchRequestError(
+        raise RequestError(
             f"max_tokens is {asked}, above this service's limit of {cap}",
             code=MAX_TOKENS_TOO_LARGE,
             line=request.line,
@@ -406,14 +406,14 @@ class BatchLineParser:
             request = parse_request_line(
                 text, line=line, served_model_names=self.served_model_names
             )
-        except BatchRequestError as err:
+        except RequestError as err:
             if err.custom_id is not None:
                 self.seen.setdefault(err.custom_id, line)
             raise
         if request.custom_id in self.seen:
             first = self.seen[request.custom_id]
             where = f" (first used on line {first})" if first is not None else ""
-            raise BatchRequestError(
+            raise RequestError(
                 f'duplicate "custom_id" {describe(request.custom_id)}{where}',
                 code=DUPLICATE_CUSTOM_ID,
                 line=line,

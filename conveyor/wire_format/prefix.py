@@ -7,7 +7,7 @@ import hashlib
 import json
 from typing import Any
 
-from conveyor.batch_format.request_line import ParsedRequest
+from conveyor.wire_format.request_line import ParsedRequest
 
 
 def prefix_key(request: ParsedRequest) -> str:

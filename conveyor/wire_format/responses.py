@@ -8,8 +8,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from conveyor.batch_format.request_line import ParsedRequest
-from conveyor.batch_format.token_text import TokenDecoder
+from conveyor.wire_format.request_line import ParsedRequest
+from conveyor.wire_format.token_text import TokenDecoder
 
 _ids = random.Random()  # seeded from os.urandom once; ids need to be unique, not secret
 

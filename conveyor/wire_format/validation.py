@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from conveyor.batch_format.errors import (
+from conveyor.wire_format.errors import (
     DUPLICATE_CUSTOM_ID,
     EMPTY_FILE,
     INVALID_JSON,
@@ -23,12 +23,12 @@ from conveyor.batch_format.errors import (
     INVALID_URL,
     LINE_TOO_LARGE,
     MISMATCHED_MODEL,
-    BatchRequestError,
+    RequestError,
 )
-from conveyor.batch_format.lines import iter_lines, too_many_lines
-from conveyor.batch_format.prefix import prefix_key
-from conveyor.batch_format.request_line import BatchLineParser, ParsedRequest
-from conveyor.batch_format.text import escape_surrogates, unstorable
+from conveyor.wire_format.lines import iter_lines, too_many_lines
+from conveyor.wire_format.prefix import prefix_key
+from conveyor.wire_format.request_line import BatchLineParser, ParsedRequest
+from conveyor.wire_format.text import escape_surrogates, unstorable
 
 MAX_LISTED_ERRORS = 1000
 
@@ -51,7 +51,7 @@ class LineRecord:
     length: int
     custom_id: str
     prefix_key: str
-    error: BatchRequestError | None = None  # a line-level error: reported, not run
+    error: RequestError | None = None  # a line-level error: reported, not run
 
 
 @dataclass
@@ -91,10 +91,10 @@ def validate(
             )
             continue
         request: ParsedRequest | None = None
-        error: BatchRequestError | None = None
+        error: RequestError | None = None
         try:
             request = parser.parse(raw, number)
-        except BatchRequestError as err:
+        except RequestError as err:
             if err.code in BATCH_FATAL_CODES or err.param in BATCH_FATAL_PARAMS:
                 result.fatal(err.code, str(err), number, err.param)
                 continue

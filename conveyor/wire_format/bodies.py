@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from conveyor.batch_format.errors import describe
+from conveyor.wire_format.errors import describe
 
 CHAT_URL = "/v1/chat/completions"
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from conveyor.batch_format.errors import (
+from conveyor.wire_format.errors import (
     FILE_TOO_LARGE,
     LINE_TOO_LARGE,
     TOO_MANY_LINES,
