@@ -213,6 +213,100 @@ def test_the_wire_format_imports_no_torch_database_or_web_framework() -> None:
     assert offenders(("conveyor.wire_format",), forbidden + WEB_AND_DATABASE) == {}
 
 
+# ---- layers ------------------------------------------------------------------------------------
+# Each layer in a sentence, bottom first, and the layers below it that it may import (its own
+# modules import each other freely). Nothing imports a layer above it, so no folder is both
+# above and below another.
+LAYERS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "leaves": (
+        "the OpenAI wire format (bodies, lines, results, errors; batch and online) and what "
+        "every layer shares (settings, logs, names): they import nothing of the project",
+        ("conveyor.wire_format", "conveyor.settings", "conveyor.logs", "conveyor.version",
+         "conveyor.env_args", "conveyor.served_names", "conveyor.demo_model"),
+        (),
+    ),
+    "kernels": ("paged attention, by device", ("conveyor.kernels",), ()),
+    "engine": (
+        "the paged-KV engine, a library that knows nothing of the service",
+        ("conveyor.engine",),
+        ("kernels",),
+    ),
+    "ledger": (
+        "the durable truth and the transport of work: the database, its migrations, the queues",
+        ("conveyor.ledger", "conveyor.migrations", "conveyor.dispatch"),
+        ("leaves",),
+    ),
+    "requests": (
+        "what becomes of a request in the engine, from its line to its result",
+        ("conveyor.request_outcome", "conveyor.batch_runner"),
+        ("leaves", "kernels", "engine"),
+    ),
+    "service": (
+        "the service's processes: the API (never the engine) and the worker",
+        ("conveyor.api", "conveyor.worker"),
+        ("leaves", "kernels", "engine", "ledger", "requests"),
+    ),
+    "top": (
+        "what people run and call: the CLI, the HTTP client, the lm-eval model, the test "
+        "harness, and the package's own lazy exports",
+        ("conveyor.cli", "conveyor.__main__", "conveyor.client", "conveyor.lm_eval_model",
+         "conveyor.testing", "conveyor"),
+        ("leaves", "kernels", "engine", "ledger", "requests", "service"),
+    ),
+}  # fmt: skip
+
+
+def layer_of(module: str) -> str | None:
+    """The layer of `module`: the one naming the package that holds it (`conveyor` names only
+    the package's own `__init__`); None for a module no layer names."""
+    for name, (_, packages, _) in LAYERS.items():
+        for package in packages:
+            if module == package or (package != "conveyor" and in_package(module, package)):
+                return name
+    return None
+
+
+def layer_violations() -> list[str]:
+    found = []
+    for module in MODULES:
+        layer = layer_of(module)
+        if layer is None:
+            continue  # test_every_module_has_a_layer names it
+        allowed = {layer, *LAYERS[layer][2]}
+        for name in sorted(project_imports(module)):
+            if layer_of(name) not in allowed:
+                found.append(f"{module} ({layer}) imports {name} ({layer_of(name)})")
+    return found
+
+
+def test_every_module_has_a_layer() -> None:
+    assert [module for module in MODULES if layer_of(module) is None] == []
+    assert layer_of("conveyor.new_module") is None  # a new module is placed on purpose
+
+
+def test_no_layer_imports_one_above_it() -> None:
+    assert layer_violations() == []
+
+
+@pytest.mark.parametrize(
+    ("module", "planted"),
+    [
+        ("conveyor.ledger.models", "conveyor.worker.runtime"),  # the truth reaching up
+        ("conveyor.wire_format.errors", "conveyor.settings"),  # a leaf leaning on a leaf: fine
+        ("conveyor.engine.llm_engine", "conveyor.wire_format.errors"),  # the engine on the wire
+    ],
+)
+def test_a_layer_violation_is_found(module: str, planted: str, monkeypatch) -> None:
+    real = project_imports
+    monkeypatch.setitem(
+        globals(),
+        "project_imports",
+        lambda m, t=False: real(m, t) | ({planted} if m == module else set()),
+    )
+    found = any(v.startswith(f"{module} (") and planted in v for v in layer_violations())
+    assert found == (planted != "conveyor.settings")
+
+
 def long_functions() -> list[str]:
     found = []
     for module, path in (MODULES | BENCH_MODULES).items():
