@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from conveyor.engine.errors import InvalidRequestError
+from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.protocol import Engine
 from conveyor.request_outcome import (
     PreparedLine,
     internal_error_line,
@@ -46,7 +48,7 @@ class BatchRunner:
 
     def __init__(
         self,
-        llm: Any,
+        llm: Engine,
         *,
         model_name: str,
         out: IO[str],
@@ -62,7 +64,7 @@ class BatchRunner:
         self.parser = BatchLineParser(served_model_names)
         self.max_pending = max(1, max_pending)
         self.progress = progress
-        self.decoder = TokenDecoder(getattr(llm, "tokenizer", None))
+        self.decoder = TokenDecoder(llm.tokenizer)
         self.pending: dict[str, ParsedRequest] = {}
         self.stats = BatchStats()
 
@@ -98,7 +100,7 @@ class BatchRunner:
             return
         self.pending[request_id] = prepared.parsed
 
-    def finish(self, output: Any) -> None:
+    def finish(self, output: RequestOutput) -> None:
         """Write the result line of a finished engine request."""
         request = self.pending.pop(output.request_id, None)
         if request is None:
@@ -122,7 +124,7 @@ class BatchRunner:
                     self._drop_lost_requests()
                     continue
                 for output in self.llm.step():
-                    if getattr(output, "finished", True):
+                    if output.finished:
                         self.finish(output)
             elif exhausted:
                 break

@@ -26,6 +26,8 @@ from conveyor.engine.errors import (
     RequestFailure,
     StructuredOutputError,
 )
+from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.protocol import Engine
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.wire_format.errors import (
     CHAT_TEMPLATE_ERROR,
@@ -92,7 +94,7 @@ def engine_error(
     return RequestError(failure.message, code=code, param=param, **where)
 
 
-def prepare_request(llm: Any, request: ParsedRequest) -> tuple[str | list[int], SamplingParams]:
+def prepare_request(llm: Engine, request: ParsedRequest) -> tuple[str | list[int], SamplingParams]:
     """The engine prompt and sampling params of a parsed line. Raises `RequestError`."""
     try:
         params = SamplingParams(**request.sampling)
@@ -124,7 +126,7 @@ class PreparedLine:
 
 
 def prepare_line(
-    llm: Any,
+    llm: Engine,
     raw: str | bytes,
     line: int,
     request_id: str,
@@ -150,11 +152,15 @@ def refused_line(
 
 
 def output_line(
-    request: ParsedRequest, output: Any, model: str, decoder: TokenDecoder, request_id: str
+    request: ParsedRequest,
+    output: RequestOutput,
+    model: str,
+    decoder: TokenDecoder,
+    request_id: str,
 ) -> tuple[dict[str, Any], bool]:
     """The line of a finished engine output, and whether it is an answer (else an error
     line)."""
-    if (error := getattr(output, "error", None)) is not None:
+    if (error := output.error) is not None:
         return refused_line(error, request, request_id), False
     try:
         return build_output_line(request, output, model, decoder), True

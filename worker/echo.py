@@ -42,6 +42,9 @@ class EchoEngine:
         self.pending: deque[RequestOutput] = deque()
         self.generated = 0
         self.step_seconds, self.max_num_seqs = step_seconds, max_num_seqs
+        self.max_model_len: int | None = None  # no context of its own
+        self.vocab_size: int | None = None
+        self.plan = None
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         return "\n".join(f"{m.get('role')}: {m.get('content') or ''}" for m in messages)
@@ -78,6 +81,9 @@ class EchoEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.pending)
+
+    def running_request_ids(self) -> set[str]:
+        return {output.request_id for output in self.pending}
 
     def stats(self) -> EchoStats:
         return EchoStats(generation_tokens=self.generated)

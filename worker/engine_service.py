@@ -23,6 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.protocol import Engine
+from conveyor.engine.sampling_params import SamplingParams
+
 log = logging.getLogger(__name__)
 
 
@@ -30,14 +34,14 @@ log = logging.getLogger(__name__)
 class EngineJob:
     request_id: str  # "<batch id>:<request row id>"
     prompt: str | list[int]
-    params: Any
-    on_done: Callable[[Any], None]  # called with the engine's RequestOutput
-    # called if the engine refuses the request (a ValueError says the request is bad; any
-    # other exception is the engine's) or `on_done` raised
+    params: SamplingParams
+    on_done: Callable[[RequestOutput], None]  # called with the engine's last output
+    # called if the engine refuses the request (an InvalidRequestError says the request is
+    # bad; any other exception is the engine's) or `on_done` raised
     on_error: Callable[[Exception], None]
     priority: int = 0  # lower goes first: online requests before batch work
     # called with the output so far after each step that gives a streamed request a token
-    on_partial: Callable[[Any], None] | None = None
+    on_partial: Callable[[RequestOutput], None] | None = None
     solo: bool = False  # run with no other request in the engine (it was in a failed step)
 
     @staticmethod
@@ -47,7 +51,7 @@ class EngineJob:
 
 class EngineService(threading.Thread):
     def __init__(
-        self, engine: Any, on_failure: Callable[[BaseException], None] | None = None
+        self, engine: Engine, on_failure: Callable[[BaseException], None] | None = None
     ) -> None:
         super().__init__(name="conveyor-engine", daemon=True)
         self.engine = engine
@@ -94,8 +98,8 @@ class EngineService(threading.Thread):
         data["engine_steps"] = self.steps
         data["in_flight"] = len(self.jobs)
         data["co_scheduled"] = [[a, b, n] for (a, b), n in self.co_scheduled.most_common(50)]
-        if (plan := getattr(self.engine, "plan", None)) is not None:  # how each piece runs
-            data["plan"] = plan.as_dict()
+        if self.engine.plan is not None:  # how each piece runs
+            data["plan"] = self.engine.plan.as_dict()
         return data
 
     # ---- the loop --------------------------------------------------------------------------
@@ -181,8 +185,8 @@ class EngineService(threading.Thread):
         self.jobs[job.request_id] = job
         return True
 
-    def _deliver(self, output: Any) -> None:
-        finished = getattr(output, "finished", True)
+    def _deliver(self, output: RequestOutput) -> None:
+        finished = output.finished
         job = (
             self.jobs.pop(output.request_id, None) if finished else self.jobs.get(output.request_id)
         )
@@ -221,8 +225,7 @@ class EngineService(threading.Thread):
 
     def _record_mix(self, finished: list[Any]) -> None:
         """Count the pairs of batches whose requests were in the step that just ran."""
-        running = getattr(self.engine, "running_request_ids", None)
-        ids = set(running()) if running else set()
+        ids = set(self.engine.running_request_ids())
         ids.update(output.request_id for output in finished)
         batches = sorted({EngineJob.batch_of(i) for i in ids})
         for i, a in enumerate(batches[:8]):

@@ -8,11 +8,13 @@ before they are committed; the online server counts the requests it aborts.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.protocol import Engine
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -29,7 +31,7 @@ ONLINE_ABORTS = Counter(
 
 
 class EngineCollector(Collector):
-    def __init__(self, engine: Any, model_name: str) -> None:
+    def __init__(self, engine: Engine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
@@ -69,7 +71,7 @@ class EngineCollector(Collector):
 class WorkerMetrics:
     """The worker's registry: engine state plus latency histograms fed by the runtime."""
 
-    def __init__(self, engine: Any, model_name: str) -> None:
+    def __init__(self, engine: Engine, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.engine_collector = EngineCollector(engine, model_name)
@@ -104,12 +106,12 @@ class WorkerMetrics:
             registry=self.registry,
         )
 
-    def use_engine(self, engine: Any) -> None:
+    def use_engine(self, engine: Engine) -> None:
         """Read the engine's stats from `engine` from now on (a new one after a failure)."""
         self.engine_collector.engine = engine
 
-    def observe_request(self, output: Any) -> None:
-        metrics = getattr(output, "metrics", None)
+    def observe_request(self, output: RequestOutput) -> None:
+        metrics = output.metrics
         if metrics is None:
             return
         model = self.model_name

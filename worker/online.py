@@ -24,6 +24,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from conveyor.dispatch.online import OnlineBus, OnlineMessage
+from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.protocol import Engine
 from conveyor.request_outcome import engine_error, internal_error, prepare_request
 from conveyor.wire_format.bodies import (
     CHAT_URL,
@@ -84,7 +86,7 @@ class OnlineServer(threading.Thread):
         bus: OnlineBus,
         queue_names: list[str],
         service: EngineService,
-        engine: Any,
+        engine: Engine,
         decoder: TokenDecoder,
         max_tokens_cap: int | None,
     ) -> None:
@@ -113,7 +115,7 @@ class OnlineServer(threading.Thread):
             log.warning("online request %s: the engine failed under it", call.message.request_id)
             self._finish(call, error_answer(503, ENGINE_FAILED, MODEL_UNAVAILABLE))
 
-    def use_engine(self, service: EngineService, engine: Any) -> None:
+    def use_engine(self, service: EngineService, engine: Engine) -> None:
         """Run online requests on a new engine (the last one failed)."""
         self.service, self.engine = service, engine
 
@@ -182,7 +184,7 @@ class OnlineServer(threading.Thread):
         self.service.submit(jobs)
 
     def _tokenizer_answer(self, message: OnlineMessage) -> dict[str, Any]:
-        tokenizer = getattr(self.engine, "tokenizer", None)
+        tokenizer = self.engine.tokenizer
         if tokenizer is None or not hasattr(tokenizer, "encode"):
             raise RequestError("this model has no tokenizer", code=INVALID_REQUEST, param="model")
         if message.kind == "tokenizer_info":
@@ -203,22 +205,22 @@ class OnlineServer(threading.Thread):
             text = body.prompt or ""
             special = body.add_special_tokens is not False
         tokens = list(tokenizer(text, add_special_tokens=special).input_ids)
-        limit = getattr(self.engine, "max_model_len", None)
+        limit = self.engine.max_model_len
         return {
             "status": 200,
             "body": {"count": len(tokens), "max_model_len": limit, "tokens": tokens},
         }
 
     # ---- outputs (called from the engine's thread) -----------------------------------------
-    def _on_output(self, call: _Call, prompt: int, output: Any) -> None:
+    def _on_output(self, call: _Call, prompt: int, output: RequestOutput) -> None:
         if call.over:
-            if not getattr(output, "finished", True):  # its abort came before the engine had it
+            if not output.finished:  # its abort came before the engine had it
                 self.service.abort([call.engine_ids[prompt]])
             return
-        if error := getattr(output, "error", None):
+        if error := output.error:
             self._finish(call, self._error_answer(call, error))
             return
-        finished = getattr(output, "finished", True)
+        finished = output.finished
         if finished:
             call.outputs[prompt] = output
         if call.stream is not None:
@@ -342,10 +344,10 @@ def invalid_body_answer(err: ValidationError) -> dict[str, Any]:
     return error_answer(400, message, code, param or None)
 
 
-def vocabulary_size(engine: Any, tokenizer: Any) -> int | None:
+def vocabulary_size(engine: Engine, tokenizer: Any) -> int | None:
     """The model's vocabulary size, else the tokenizer's; None when neither says (the echo
     engine)."""
-    size = getattr(engine, "vocab_size", None)
+    size = engine.vocab_size
     if isinstance(size, int):
         return size
     try:
@@ -365,7 +367,7 @@ def check_token_ids(tokens: list[int], vocab_size: int | None) -> None:
             )
 
 
-def tokenizer_info(tokenizer: Any, engine: Any) -> dict[str, Any]:
+def tokenizer_info(tokenizer: Any, engine: Engine) -> dict[str, Any]:
     """What vLLM's `GET /tokenizer_info` tells of a tokenizer (lm-eval's remote tokenizer reads
     its special tokens and chat template)."""
     return {
@@ -374,5 +376,5 @@ def tokenizer_info(tokenizer: Any, engine: Any) -> dict[str, Any]:
         "bos_token": getattr(tokenizer, "bos_token", None),
         "pad_token": getattr(tokenizer, "pad_token", None),
         "chat_template": getattr(tokenizer, "chat_template", None),
-        "model_max_length": getattr(engine, "max_model_len", None),
+        "model_max_length": engine.max_model_len,
     }

@@ -24,6 +24,7 @@ from conveyor.dispatch.celery_app import make_celery
 from conveyor.dispatch.online import bus_for, online_queue
 from conveyor.dispatch.queues import queue_for, worker_queue
 from conveyor.dispatch.reconciler import ReconcilerLoop, reconcile
+from conveyor.engine.protocol import Engine
 from conveyor.ledger.db import Ledger
 from conveyor.ledger.results import result_row
 from conveyor.ledger.shard_lifecycle import (
@@ -81,7 +82,7 @@ class WorkerRuntime:
     def __init__(
         self,
         settings: Settings,
-        engine: Any,
+        engine: Engine,
         model_names: list[str],
         name: str | None = None,
         rebuild_engine: Callable[[], Any] | None = None,
@@ -107,7 +108,7 @@ class WorkerRuntime:
             self.ledger, settings.heartbeat_timeout, on_lag=self.metrics.writer_lag.observe
         )
         self.reconciler = ReconcilerLoop(self.ledger, self.app, settings)
-        self.decoder = TokenDecoder(getattr(engine, "tokenizer", None))
+        self.decoder = TokenDecoder(engine.tokenizer)
         self.online = OnlineServer(
             bus_for(settings.broker_url),
             [online_queue(q) for q in shared],

@@ -8,11 +8,14 @@ import contextlib
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from conveyor.cli.common import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, fail
 from conveyor.cli.engine_options import add_engine_arguments, engine_config
 from conveyor.served_names import served_model_names
+
+if TYPE_CHECKING:  # the CLI's help loads nothing of the engine but its config
+    from conveyor.engine.protocol import Engine
 
 RUN_BATCH = "run-batch"
 
@@ -106,7 +109,7 @@ def _output_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _run_batch(args: argparse.Namespace, llm: Any, input_path: Path, total: int) -> int:
+def _run_batch(args: argparse.Namespace, llm: Engine, input_path: Path, total: int) -> int:
     """Run the `total` request lines of `input_path` through `llm`, writing as they finish."""
     from tqdm.auto import tqdm
 

@@ -466,6 +466,7 @@ def fake_output(
         outputs=completions,
         finished=True,
         num_cached_tokens=cached,
+        error=None,
     )
 
 

@@ -62,7 +62,9 @@ class NoVocabularySize(EchoEngine):
 
 
 class ModelLike(NoVocabularySize):
-    vocab_size = 100
+    def __init__(self) -> None:
+        super().__init__()
+        self.vocab_size = 100
 
 
 def wait_until(check, timeout: float = 5) -> None:

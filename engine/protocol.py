@@ -1,0 +1,40 @@
+"""What a service needs of an engine, typed: the paged-KV engine (`LLM`) is one, and so is the
+worker's null engine (`conveyor worker --model echo`). The worker, the online server and the
+offline runner hold an `Engine`, never `Any`."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.sampling_params import SamplingParams
+
+
+@runtime_checkable
+class Engine(Protocol):
+    tokenizer: Any  # a Hugging Face tokenizer, or an object with its `decode`; None: ids only
+    max_model_len: int | None  # None: no limit of its own
+    vocab_size: int | None
+    plan: Any  # how each piece of a step runs (`device_plan.DevicePlan`), None where none
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        stream: bool = False,
+    ) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def running_request_ids(self) -> set[str]: ...
+
+    def stats(self) -> Any: ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str | list[int]: ...
