@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -59,7 +59,7 @@ def build_tokenizer(vocab_size: int = 512, texts: Iterable[str] | None = None) -
 
 
 def model_config(arch: str, vocab_size: int, **overrides: Any) -> Any:
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     sizes: dict[str, Any] = dict(
         vocab_size=vocab_size,
@@ -74,6 +74,9 @@ def model_config(arch: str, vocab_size: int, **overrides: Any) -> Any:
     if arch == "llama":
         cls = LlamaConfig
         sizes.update(tie_word_embeddings=False)
+    elif arch == "mistral":
+        cls = MistralConfig
+        sizes.update(tie_word_embeddings=False, sliding_window=None)
     elif arch == "qwen2":
         cls = Qwen2Config
         sizes.update(tie_word_embeddings=True)

@@ -24,6 +24,7 @@ from conveyor.engine.errors import (
     InvalidSamplingParamsError,
 )
 from conveyor.engine.loader import (
+    attention_window,
     config_dtype,
     eos_token_ids,
     load_config,
@@ -151,7 +152,25 @@ class LLMEngine:
                 f"max_model_len={max_model_len} exceeds the model's "
                 f"max_position_embeddings={max_positions}"
             )
+        self.model_len_limit = self._model_len_limit(hf_config, max_model_len)
         return load_model(path, hf_config, self.dtype, self.device, max_positions)
+
+    def _model_len_limit(self, hf_config: Any, max_model_len: int | None) -> int:
+        """The longest sequence this engine runs exactly: the model's positions, or its
+        attention window where it has one, as attention over a window is not implemented:
+        a sequence no longer than the window attends to all of it, full attention's answer."""
+        limit = hf_config.max_position_embeddings
+        window = attention_window(hf_config)
+        if window is None or window >= limit:
+            return limit
+        if max_model_len is not None and max_model_len > window:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's sliding attention window "
+                f"({window} tokens), which this engine does not implement: it runs sequences of "
+                f"at most {window} tokens, where the window holds them whole"
+            )
+        log.info("max_model_len capped to the model's sliding window of %d tokens", window)
+        return window
 
     def _num_kv_blocks(self, net: DecoderForCausalLM, backend: AttentionBackend) -> int:
         """The configured number of KV cache blocks, else as many as the memory budget holds."""
@@ -168,14 +187,14 @@ class LLMEngine:
 
     def _longest(self) -> int:
         """The longest sequence asked for: --max-model-len, else the model's positions."""
-        return self.engine_config.max_model_len or self.config.max_position_embeddings
+        return self.engine_config.max_model_len or self.model_len_limit
 
     def _max_model_len(self, num_kv_blocks: int) -> int:
         """The configured max_model_len, else the model's, capped by what the KV cache holds."""
         max_model_len, block_size = self.engine_config.max_model_len, self.engine_config.block_size
         capacity = num_kv_blocks * block_size
         if max_model_len is None:
-            return min(self.config.max_position_embeddings, capacity)
+            return min(self.model_len_limit, capacity)
         if max_model_len > capacity:
             raise ValueError(
                 f"the KV cache holds {capacity} tokens ({num_kv_blocks} blocks of {block_size}), "

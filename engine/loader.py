@@ -48,6 +48,16 @@ def load_config(path: Path):
     return config
 
 
+def attention_window(config) -> int | None:
+    """The sliding window the model's attention keeps, in tokens, or None for full attention.
+    A config's `sliding_window` counts only where the family uses it: Mistral's always, and
+    where a config has `use_sliding_window` (Qwen2, Qwen3), only when that is true."""
+    window = getattr(config, "sliding_window", None)
+    if not window or not getattr(config, "use_sliding_window", True):
+        return None
+    return int(window)
+
+
 def config_dtype(config) -> torch.dtype:
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
