@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from conveyor.engine.models import MODEL_REGISTRY, DecoderForCausalLM
 from conveyor.engine.models.decoder import PACKED
-from conveyor.engine.models.layers import PackedLinear
+from conveyor.engine.models.layers import STATIC_ROPE_TYPES, PackedLinear, rope_parameters
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 
@@ -45,7 +45,32 @@ def load_config(path: Path):
         )
     if getattr(config, "use_sliding_window", False):
         raise ValueError("sliding-window attention is not supported (use_sliding_window=true)")
+    _refuse_what_would_run_wrong(config, path)
     return config
+
+
+def _refuse_what_would_run_wrong(config, path: Path) -> None:
+    """Refuse a checkpoint the engine would load but not run as its model is meant to run:
+    quantized weights (read as plain ones they are garbage) and rope types whose frequencies
+    change with the sequence's length."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        method = (
+            quantization.get("quant_method", "?")
+            if isinstance(quantization, dict)
+            else getattr(quantization, "quant_method", "?")
+        )
+        raise ValueError(
+            f"{path / 'config.json'} is a quantized checkpoint ({method}); this engine runs "
+            "float32, float16 and bfloat16 weights only: use the unquantized model"
+        )
+    rope_type = rope_parameters(config).get("rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ValueError(
+            f"rope type {rope_type!r} in {path / 'config.json'} is not implemented (its "
+            f"frequencies change with the sequence's length); supported: "
+            f"{', '.join(STATIC_ROPE_TYPES)}"
+        )
 
 
 def attention_window(config) -> int | None:

@@ -261,10 +261,17 @@ def rope_parameters(config) -> dict:
     return params
 
 
+# rope types whose frequencies are fixed once for every position, as this engine computes them;
+# "dynamic" and "longrope" change them with the sequence's length and are refused at load
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
 def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and cos/sin scaling, using transformers' own rope_scaling code."""
     params = rope_parameters(config)
     rope_type = params.get("rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
     if rope_type == "default":
         base = params["rope_theta"]
         exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim

@@ -70,3 +70,31 @@ def test_rope_scaling_from_the_config_is_applied(tmp_path):
         [prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
     )[0]
     assert out.outputs[0].token_ids == hf_greedy(path, prompt, 8)
+
+
+def edited_config(src, dst, **changes):
+    path = copy_checkpoint(src, dst)
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "fp8", "bitsandbytes"])
+def test_a_quantized_checkpoint_is_refused_not_loaded_as_garbage(checkpoints, tmp_path, method):
+    quantization = {"quant_method": method, "bits": 4}
+    path = edited_config(checkpoints["llama"], tmp_path / "m", quantization_config=quantization)
+    with pytest.raises(ValueError, match=f"is a quantized checkpoint \\({method}\\)"):
+        LLM(str(path), dtype="float32", device="cpu")
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_a_rope_that_changes_with_length_is_refused(checkpoints, tmp_path, rope_type):
+    rope = {"rope_type": rope_type, "factor": 2.0}
+    if rope_type == "longrope":
+        rope |= {"short_factor": [1.0] * 4, "long_factor": [2.0] * 4}
+    path = edited_config(
+        checkpoints["llama"], tmp_path / "m", rope_scaling=rope, rope_parameters=None
+    )
+    with pytest.raises(ValueError, match=f"rope type '{rope_type}' .* is not implemented"):
+        LLM(str(path), dtype="float32", device="cpu")
