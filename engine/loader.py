@@ -110,11 +110,28 @@ def load_model(
     return model
 
 
-def load_weights(model: DecoderForCausalLM, path: Path) -> None:
-    """Copy every checkpoint tensor into its parameter (or its rows of a packed one)."""
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of the Hugging Face checkpoint in `path`: those its index names
+    (a sharded checkpoint), else `model.safetensors`, else every one there. Other files
+    beside them, such as the `consolidated.safetensors` of Mistral's own format, are not it."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (path / n).exists()]
+        if missing:
+            raise ValueError(f"{index.name} names shards that are not in {path}: {missing[:3]}")
+        return [path / n for n in names]
+    if (path / "model.safetensors").exists():
+        return [path / "model.safetensors"]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def load_weights(model: DecoderForCausalLM, path: Path) -> None:
+    """Copy every checkpoint tensor into its parameter (or its rows of a packed one)."""
+    files = checkpoint_files(path)
     params = dict(model.named_parameters())
     expected = _expected_checkpoint_names(model)
     loaded: set[str] = set()

@@ -98,3 +98,28 @@ def test_a_rope_that_changes_with_length_is_refused(checkpoints, tmp_path, rope_
     )
     with pytest.raises(ValueError, match=f"rope type '{rope_type}' .* is not implemented"):
         LLM(str(path), dtype="float32", device="cpu")
+
+
+def test_a_sharded_checkpoint_loads_by_its_index_beside_other_weights(checkpoints, tmp_path):
+    """Shards named by `model.safetensors.index.json` load as the one file does, and a
+    `consolidated.safetensors` in Mistral's own format beside them is not read."""
+    from transformers import AutoModelForCausalLM
+
+    from conveyor.engine import SamplingParams
+
+    src = checkpoints["llama"]
+    sharded = copy_checkpoint(src, tmp_path / "sharded")
+    (sharded / "model.safetensors").unlink()
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model.save_pretrained(sharded, max_shard_size="100KB", safe_serialization=True)
+    shards = sorted(sharded.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and (sharded / "model.safetensors.index.json").exists()
+    save_file(
+        {"layers.0.attention.wk.weight": torch.zeros(2, 2)}, sharded / "consolidated.safetensors"
+    )
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = [[5, 9, 13, 2, 7]]
+    want = LLM(str(src), dtype="float32", device="cpu").generate(prompt, params, use_tqdm=False)
+    got = LLM(str(sharded), dtype="float32", device="cpu").generate(prompt, params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
