@@ -3,6 +3,7 @@ nothing is written twice. A page asks for one with a line of its own:
 
     {{ engine_options }}          every engine flag, its CONVEYOR_<OPTION> form and its help
     {{ settings GROUP }}          the service's settings of GROUP (`conveyor.settings.setting`)
+    {{ architectures }}           the checkpoint architectures the engine runs, and how
     {{ bench_runs NAME }}         the runs recorded in bench/results/NAME.jsonl
 """
 
@@ -31,7 +32,9 @@ BENCH_COLUMNS = {
     "triton_decode_sweep": ["device", "DECODE_BLOCK_N", "DECODE_NUM_WARPS",
                             "DECODE_NUM_STAGES", "share_of_copy"],
 }  # fmt: skip
-MARKER = re.compile(r"^\{\{ (engine_options|bench_runs|settings) ?([a-z_]*) \}\}$", re.M)
+MARKER = re.compile(
+    r"^\{\{ (engine_options|bench_runs|settings|architectures) ?([a-z_]*) \}\}$", re.M
+)
 
 
 def on_page_markdown(markdown: str, **_: object) -> str:
@@ -41,6 +44,8 @@ def on_page_markdown(markdown: str, **_: object) -> str:
 def _render(kind: str, arg: str) -> str:
     if kind == "settings":
         return settings_table(arg)
+    if kind == "architectures":
+        return architectures()
     return engine_options() if kind == "engine_options" else bench_runs(arg)
 
 
@@ -60,6 +65,20 @@ def settings_table(group: str) -> str:
         rows.append(f"| `{meta['env']}` | {shown} | {_cell(meta['doc'])} |")
     if len(rows) == 2:
         raise ValueError(f"no settings in group {group!r}")
+    return "\n".join(rows)
+
+
+def architectures() -> str:
+    """The engine's model registry: each architecture a checkpoint may name, its class, and
+    what the class runs."""
+    import inspect
+
+    from conveyor.engine.models import MODEL_REGISTRY
+
+    rows = ["| `architectures` in config.json | runs as | what it runs |", "|---|---|---|"]
+    for arch, cls in sorted(MODEL_REGISTRY.items()):
+        doc = " ".join((inspect.getdoc(cls) or "").split())
+        rows.append(f"| `{arch}` | `{cls.__name__}` | {_cell(doc)} |")
     return "\n".join(rows)
 
 

@@ -5,6 +5,7 @@ from conveyor.engine.models.decoder import (
     Qwen3ForCausalLM,
 )
 
+# a checkpoint's `architectures[0]` -> the class that runs it; any other is refused at load
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,

@@ -239,12 +239,17 @@ class DecoderForCausalLM(nn.Module):
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
-    pass
+    """The shared decoder as it is: RMSNorm before attention and MLP, rope (default, linear,
+    llama3 or yarn scaling), grouped-query attention, SwiGLU, tied or untied embeddings."""
 
 
 class Qwen2ForCausalLM(DecoderForCausalLM):
+    """Llama's decoder with biases on the q, k and v projections."""
+
     qkv_bias = True
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):
+    """Llama's decoder with an RMSNorm on each head's queries and keys before rope."""
+
     qk_norm = True
