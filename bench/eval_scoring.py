@@ -92,7 +92,10 @@ PARAMS = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
 
 
 @dataclass
-class EngineRun:
+class ScoringRun:
+    """One way of scoring the job (the engine, a batch, online requests): its time, what it
+    scored and what it found cached."""
+
     seconds: float
     requests: int
     prompt_tokens: int
@@ -125,7 +128,7 @@ def own_logprobs(prompt: list[int], entries: list) -> list[float]:
     return [entry[token] for token, entry in zip(prompt[1:], entries[1:], strict=True)]
 
 
-def score_in_process(llm: LLM, prompts: list[list[int]], warm: list[list[int]]) -> EngineRun:
+def score_in_process(llm: LLM, prompts: list[list[int]], warm: list[list[int]]) -> ScoringRun:
     llm.generate(warm, PARAMS, use_tqdm=False)  # the one compile, before timing
     before = llm.stats()
     start = time.perf_counter()
@@ -134,7 +137,7 @@ def score_in_process(llm: LLM, prompts: list[list[int]], warm: list[list[int]]) 
     after = llm.stats()
     computed = after.prompt_tokens_computed - before.prompt_tokens_computed
     cached = after.prompt_tokens_cached - before.prompt_tokens_cached
-    return EngineRun(
+    return ScoringRun(
         seconds,
         len(prompts),
         computed + cached,
@@ -161,23 +164,6 @@ def max_difference(a: list[list[float]], b: list[list[float]]) -> tuple[float, f
 
 # ---------------------------------------------------------------------------------------------
 # the service
-
-
-@dataclass
-class ServiceRun:
-    seconds: float
-    requests: int
-    prompt_tokens: int
-    cached_tokens: int
-    logprobs: list[list[float]]
-
-    @property
-    def rate(self) -> float:
-        return self.requests / self.seconds
-
-    @property
-    def cached_share(self) -> float:
-        return self.cached_tokens / self.prompt_tokens
 
 
 def body(prompt: list[int]) -> dict:
@@ -231,7 +217,7 @@ def start_worker(stack: Stack, args: argparse.Namespace, m: BenchModel, name: st
     )
 
 
-def as_batch(stack: Stack, api: str, job: Job) -> ServiceRun:
+def as_batch(stack: Stack, api: str, job: Job) -> ScoringRun:
     lines = [
         {"custom_id": str(i), "method": "POST", "url": "/v1/completions", "body": body(p)}
         for i, p in enumerate(job.prompts)
@@ -244,7 +230,7 @@ def as_batch(stack: Stack, api: str, job: Job) -> ServiceRun:
     assert done["request_counts"]["failed"] == 0, done
     answers = {x["custom_id"]: x["response"]["body"] for x in download(api, done["output_file_id"])}
     usage = done["usage"]
-    return ServiceRun(
+    return ScoringRun(
         seconds,
         len(job.prompts),
         usage["input_tokens"],
@@ -253,7 +239,7 @@ def as_batch(stack: Stack, api: str, job: Job) -> ServiceRun:
     )
 
 
-def as_online(api: str, job: Job) -> ServiceRun:
+def as_online(api: str, job: Job) -> ScoringRun:
     with httpx.Client(base_url=api, timeout=600) as client:
 
         def ask(prompt: list[int]) -> dict:
@@ -266,7 +252,7 @@ def as_online(api: str, job: Job) -> ServiceRun:
             answers = list(pool.map(ask, job.prompts))
         seconds = time.perf_counter() - start
     usages = [a["usage"] for a in answers]
-    return ServiceRun(
+    return ScoringRun(
         seconds,
         len(job.prompts),
         sum(u["prompt_tokens"] for u in usages),
@@ -277,7 +263,7 @@ def as_online(api: str, job: Job) -> ServiceRun:
 
 def through_service(
     args: argparse.Namespace, m: BenchModel, job: Job
-) -> tuple[ServiceRun, ServiceRun]:
+) -> tuple[ScoringRun, ScoringRun]:
     with deployment(args, m) as (stack, api):
         start_worker(stack, args, m, "scoring-batch")
         batch = as_batch(stack, api, job)
@@ -314,7 +300,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def report(
-    job: Job, on: EngineRun, off: EngineRun, service: tuple[ServiceRun, ServiceRun] | None
+    job: Job, on: ScoringRun, off: ScoringRun, service: tuple[ScoringRun, ScoringRun] | None
 ) -> dict:
     rule("results")
     rows = [
