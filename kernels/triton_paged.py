@@ -286,10 +286,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     batch, heads, head_dim = query.shape
-    _check_cache(k_cache, v_cache)
-    kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
-    if heads % kv_heads:
-        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
+    kv_heads, block_size = _check_cache(k_cache, v_cache, heads)
     out = torch.empty_like(query) if out is None else out
     if batch == 0:
         return out
@@ -404,10 +401,7 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     num_tokens, heads, head_dim = query.shape
-    _check_cache(k_cache, v_cache)
-    kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
-    if heads % kv_heads:
-        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
+    kv_heads, block_size = _check_cache(k_cache, v_cache, heads)
     out = torch.empty_like(query) if out is None else out
     num_seqs = context_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
@@ -435,11 +429,19 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def _check_cache(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int | None = None
+) -> tuple[int, int]:
+    """The caches' (kv_heads, block_size), once they are seen to fit each other (and `heads`
+    query heads, when given)."""
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError("the K and V caches must have the same shape and strides")
     if k_cache.stride(-1) != 1:
         raise ValueError("the caches' head_dim must be contiguous")
+    kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    if heads is not None and heads % kv_heads:
+        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads})")
+    return kv_heads, block_size
 
 
 __all__ = [

@@ -152,17 +152,12 @@ class Stack:
 
     def stop(self, grace: float = 15) -> None:
         """SIGTERM every process group, then SIGKILL what is still there after `grace` s."""
-        for proc in self.procs:
+        for proc in self.procs:  # all at once, so that they stop together
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGTERM)
         for proc in self.procs:
-            try:
-                proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
+            reap_group(proc, grace)
 
 
 @contextlib.contextmanager
@@ -208,6 +203,11 @@ def stop_group(proc: subprocess.Popen, grace: float = 30) -> None:
         return
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
+    reap_group(proc, grace)
+
+
+def reap_group(proc: subprocess.Popen, grace: float) -> None:
+    """Wait up to `grace` seconds for `proc` to end (after a SIGTERM), then SIGKILL its group."""
     try:
         proc.wait(grace)
     except subprocess.TimeoutExpired:
