@@ -19,15 +19,16 @@ import logging
 import queue
 import threading
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.protocol import Engine
 from conveyor.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -137,11 +138,7 @@ class EngineService(threading.Thread):
             return sorted(self.jobs)
 
     def _take_jobs(self) -> None:
-        while True:
-            try:
-                job = self.inbox.get_nowait()
-            except queue.Empty:
-                break
+        for job in _drained(self.inbox):
             if job.solo:
                 self.solo.append(job)
             elif self.solo or self.solo_running is not None:
@@ -212,11 +209,7 @@ class EngineService(threading.Thread):
             log.exception("request %s: its error could not be handed on", job.request_id)
 
     def _take_aborts(self) -> None:
-        while True:
-            try:
-                request_id = self.aborts.get_nowait()
-            except queue.Empty:
-                return
+        for request_id in _drained(self.aborts):
             if self.jobs.pop(request_id, None) is not None:
                 self.engine.abort(request_id)
             else:  # not yet in the engine
@@ -231,3 +224,12 @@ class EngineService(threading.Thread):
         for i, a in enumerate(batches[:8]):
             for b in batches[i + 1 : 8]:
                 self.co_scheduled[(a, b)] += 1
+
+
+def _drained(q: queue.Queue[T]) -> Iterator[T]:
+    """What `q` holds now, taken one at a time without waiting."""
+    while True:
+        try:
+            yield q.get_nowait()
+        except queue.Empty:
+            return
