@@ -127,6 +127,7 @@ class WorkerRuntime:
         self.engine_ready.set()
         self.engine_restarts = 0
         self._shard_runs = 0  # shard tasks running now
+        self._running_shards: set[int] = set()  # their shards
         self._shard_runs_lock = threading.Lock()
         self._registration = threading.Lock()  # a heartbeat cannot revive a withdrawn row
         self.heartbeat = threading.Thread(
@@ -305,12 +306,20 @@ class WorkerRuntime:
                 self._forget_message(shard_id)
                 return "handed back"
             with self._shard_runs_lock:
+                # a second message for a shard running here (handed back by a worker that
+                # stopped and re-sent by the reconciler too): the run under way finishes it,
+                # and two would put the same requests in the engine twice
+                if shard_id in self._running_shards:
+                    log.info("shard %s is already running here; this delivery is dropped", shard_id)
+                    return "already running"
+                self._running_shards.add(shard_id)
                 self._shard_runs += 1
             try:
                 return self._run_shard(shard_id)
             finally:
                 with self._shard_runs_lock:
                     self._shard_runs -= 1
+                    self._running_shards.discard(shard_id)
 
     def _engine_up(self) -> bool:
         """Whether shards can run here: not shutting down, and the engine is up (or comes
