@@ -482,7 +482,7 @@ class WorkerRuntime:
 
     # ---- results (called from the engine thread) -------------------------------------------
     def _on_done(self, batch_id, request_id, parsed, model, pending, output) -> None:
-        if getattr(output, "error", None) is None:  # it ran to its end
+        if output.error is None:  # it ran to its end
             self.metrics.observe_request(output)
         line, ok = output_line(parsed, output, model, self.decoder, f"{batch_id}:{request_id}")
         if not ok:
@@ -498,7 +498,7 @@ class WorkerRuntime:
             ok=True,
             prompt_tokens=len(output.prompt_token_ids or []),
             completion_tokens=0 if parsed.drop_generation else completion,
-            cached_tokens=int(getattr(output, "num_cached_tokens", 0) or 0),
+            cached_tokens=output.num_cached_tokens,
         )
 
     def _on_refused(self, batch_id, request_id, parsed, pending, err) -> None:
