@@ -10,7 +10,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+
+# a MoE router's weights: spread widely, so that the experts' scores rarely tie and rounding
+# (bfloat16, another summation order) seldom changes which experts a token gets
+ROUTER_INIT_STD = 0.5
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -59,7 +63,15 @@ def build_tokenizer(vocab_size: int = 512, texts: Iterable[str] | None = None) -
 
 
 def model_config(arch: str, vocab_size: int, **overrides: Any) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     sizes: dict[str, Any] = dict(
         vocab_size=vocab_size,
@@ -83,6 +95,19 @@ def model_config(arch: str, vocab_size: int, **overrides: Any) -> Any:
     elif arch == "qwen3":
         cls = Qwen3Config
         sizes.update(tie_word_embeddings=True, head_dim=32)
+    elif arch == "mixtral":
+        cls = MixtralConfig
+        sizes.update(tie_word_embeddings=False, sliding_window=None, num_local_experts=4,
+                     num_experts_per_tok=2)  # fmt: skip
+    elif arch == "qwen2_moe":  # the first layer dense, the second with experts
+        cls = Qwen2MoeConfig
+        sizes.update(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=32, shared_expert_intermediate_size=96,
+                     mlp_only_layers=[0])  # fmt: skip
+    elif arch == "qwen3_moe":
+        cls = Qwen3MoeConfig
+        sizes.update(tie_word_embeddings=True, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32, norm_topk_prob=True)  # fmt: skip
     else:
         raise ValueError(f"unknown architecture {arch!r}; choose one of {ARCHITECTURES}")
     sizes.update(overrides)
@@ -121,7 +146,9 @@ def write_tiny_model(
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dim() >= 2 or name.endswith("bias"):
+            if name.endswith("mlp.gate.weight"):  # a MoE router: rare near-ties between experts
+                param.normal_(0.0, ROUTER_INIT_STD)
+            elif param.dim() >= 2 or name.endswith("bias"):
                 param.normal_(0.0, init_std)
             else:  # norm weights: keep near one, but not exactly, so a wrong norm shows
                 param.uniform_(0.8, 1.2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 from concurrent.futures import Future
@@ -88,11 +89,13 @@ class LLMEngine:
             reuse_large_allocations()
         net = self._load_model(model)
         backend = get_attention_backend(config.attention_backend, self.device)
-        attn, mlp = net.model.layers[0].self_attn, net.model.layers[0].mlp
+        # the native activation covers a width that is a multiple of 16: it covers every
+        # width of the model (dense and expert MLPs) when it covers their common divisor
+        intermediate = math.gcd(*net.activation_widths())
         self.plan = plan_device(
             self.device, self.dtype, backend.name, elementwise=config.elementwise,
-            hidden=net.model.embed_tokens.weight.shape[1], head_dim=attn.head_dim,
-            intermediate=mlp.down_proj.in_features,
+            hidden=net.model.embed_tokens.weight.shape[1], head_dim=net.head_dim,
+            intermediate=intermediate,
         )  # fmt: skip
         log.info("engine plan: %s", self.plan.describe())
         net.use_elementwise(self.plan.elementwise)

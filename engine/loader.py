@@ -6,6 +6,7 @@ import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -13,6 +14,7 @@ from safetensors import safe_open
 from conveyor.engine.models import MODEL_REGISTRY, DecoderForCausalLM
 from conveyor.engine.models.decoder import PACKED
 from conveyor.engine.models.layers import STATIC_ROPE_TYPES, PackedLinear, rope_parameters
+from conveyor.engine.models.moe import Experts
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 
@@ -161,10 +163,14 @@ def load_weights(model: DecoderForCausalLM, path: Path) -> None:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(sorted(missing)[:8])}")
 
 
-def _expected_checkpoint_names(model: DecoderForCausalLM) -> dict[str, tuple[str, slice | None]]:
-    """checkpoint tensor name -> (our parameter name, its rows or None for all of it)."""
-    names: dict[str, tuple[str, slice | None]] = {}
+def _expected_checkpoint_names(model: DecoderForCausalLM) -> dict[str, tuple[str, Any]]:
+    """checkpoint tensor name -> (our parameter name, its part: rows of a packed projection,
+    one expert's slice of a stacked weight, or None for all of it)."""
+    names: dict[str, tuple[str, Any]] = {}
     modules = dict(model.named_modules())
+    for module_path, module in modules.items():
+        if isinstance(module, Experts):
+            names.update(module.checkpoint_names(module_path))
     for param_name in dict(model.named_parameters()):
         module_path, _, attr = param_name.rpartition(".")
         module = modules[module_path]
@@ -173,9 +179,17 @@ def _expected_checkpoint_names(model: DecoderForCausalLM) -> dict[str, tuple[str
             for ckpt_module, (target, shard) in PACKED.items():
                 if target == packed:
                     names[f"{parent}.{ckpt_module}.{attr}"] = (param_name, module.shard_rows(shard))
+        elif isinstance(module, Experts):
+            continue
         elif not (param_name == "lm_head.weight" and model.tie_word_embeddings):
             names[param_name] = (param_name, None)
-    return names
+    return {_renamed(name, model.checkpoint_renames): target for name, target in names.items()}
+
+
+def _renamed(name: str, renames: dict[str, str]) -> str:
+    for ours, theirs in renames.items():
+        name = name.replace(ours, theirs)
+    return name
 
 
 def load_tokenizer(path: Path):

@@ -104,6 +104,6 @@ def stack(database_url: str, redis_url: str, tmp_path: Path) -> Iterator[Stack]:
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """Tiny random-weight Llama, Qwen2 and Qwen3 checkpoints written by transformers."""
+    """Tiny random-weight checkpoints of every family in ARCHS, written by transformers."""
     root = tmp_path_factory.mktemp("checkpoints")
     return {arch: write_tiny_model(root / arch, arch) for arch in ARCHS}

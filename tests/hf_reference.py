@@ -10,7 +10,7 @@ from unittest import mock
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3")  # the architectures of `checkpoints` (tests/conftest.py)
+ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")  # of `checkpoints`
 
 
 @functools.cache

@@ -1,16 +1,20 @@
-from conveyor.engine.models.decoder import (
-    DecoderForCausalLM,
-    LlamaForCausalLM,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-)
+from conveyor.engine.models.decoder import DecoderForCausalLM
+from conveyor.engine.models.llama import LlamaForCausalLM
+from conveyor.engine.models.mixtral import MixtralForCausalLM
+from conveyor.engine.models.qwen2 import Qwen2ForCausalLM
+from conveyor.engine.models.qwen2_moe import Qwen2MoeForCausalLM
+from conveyor.engine.models.qwen3 import Qwen3ForCausalLM
+from conveyor.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 # a checkpoint's `architectures[0]` -> the class that runs it; any other is refused at load
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 __all__ = ["MODEL_REGISTRY", "DecoderForCausalLM"]

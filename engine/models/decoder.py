@@ -1,7 +1,9 @@
-"""One decoder-only transformer covering Llama, Qwen2 and Qwen3 checkpoints.
+"""The decoder-only transformer every family shares; each family's module (`llama.py`,
+`qwen3_moe.py`, ...) subclasses `DecoderForCausalLM` and states only how it differs.
 
-Differences are read off the config: Qwen2's q/k/v bias, Qwen3's per-head q/k RMSNorm,
-`attention_bias`, `mlp_bias`, tied embeddings and an explicit `head_dim`. Parameter names match
+Read off the config: `attention_bias`, `mlp_bias`, tied embeddings and an explicit `head_dim`;
+stated by a family: q/k/v bias (`qkv_bias`), per-head q/k RMSNorm (`qk_norm`) and each layer's
+MLP (`make_mlp`: dense SwiGLU here, a mixture of experts in the MoE families). Parameter names match
 the Hugging Face checkpoints, except that q/k/v and gate/up are packed into one matmul each
 (`PACKED`: the loader fills their rows). K/V live only in the paged cache.
 """
@@ -9,7 +11,6 @@ the Hugging Face checkpoints, except that q/k/v and gate/up are packed into one 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from conveyor.engine.models.layers import (
@@ -23,6 +24,7 @@ from conveyor.engine.models.layers import (
     RMSNorm,
     Rope,
     RotaryEmbedding,
+    RunsActivation,
     apply_rope,
     compiled_apply_rope,
     triton_layers,
@@ -101,28 +103,26 @@ class Attention(nn.Module):
         return fused.norm_rope_(q, *rope), fused.norm_rope_(k, *rope)
 
 
-class MLP(nn.Module):
-    def __init__(self, config):
+class MLP(RunsActivation, nn.Module):
+    def __init__(self, hidden: int, inter: int, bias: bool):
         super().__init__()
-        bias = bool(getattr(config, "mlp_bias", False))
-        hidden, inter = config.hidden_size, config.intermediate_size
         self.gate_up_proj = PackedLinear(hidden, {"gate": inter, "up": inter}, bias=bias)
         self.down_proj = Linear(inter, hidden, bias=bias)
-        self.impl = EAGER  # how SiLU(gate) * up runs (see `DecoderForCausalLM.use_elementwise`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.impl in (NATIVE, TRITON):
-            fused = native_layers if self.impl == NATIVE else triton_layers()
-            return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj.forward_shards(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
+
+
+def dense_mlp(config, inter: int | None = None) -> MLP:
+    bias = bool(getattr(config, "mlp_bias", False))
+    return MLP(config.hidden_size, inter or config.intermediate_size, bias)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qk_norm: bool, qkv_bias: bool):
+    def __init__(self, config, qk_norm: bool, qkv_bias: bool, mlp: nn.Module):
         super().__init__()
         self.self_attn = Attention(config, qk_norm, qkv_bias)
-        self.mlp = MLP(config)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -143,12 +143,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, qk_norm: bool, qkv_bias: bool, max_positions: int):
+    def __init__(self, config, qk_norm: bool, qkv_bias: bool, max_positions: int, make_mlp):
         super().__init__()
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qk_norm, qkv_bias) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, qk_norm, qkv_bias, make_mlp(config, i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -165,11 +166,14 @@ class DecoderModel(nn.Module):
 class DecoderForCausalLM(nn.Module):
     qk_norm = False
     qkv_bias = False
+    # our module path -> the checkpoint's, where a family names a module otherwise
+    checkpoint_renames: dict[str, str] = {}
 
     def __init__(self, config, max_positions: int):
         super().__init__()
-        qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.model = DecoderModel(config, self.qk_norm, qkv_bias, max_positions)
+        qkv_bias = bool(getattr(config, "qkv_bias", self.qkv_bias))  # Qwen2-MoE's flag
+        qkv_bias = qkv_bias or bool(getattr(config, "attention_bias", False))
+        self.model = DecoderModel(config, self.qk_norm, qkv_bias, max_positions, self.make_mlp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -179,6 +183,16 @@ class DecoderForCausalLM(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.head_dim = attn.head_dim
+
+    @classmethod
+    def make_mlp(cls, config, layer_idx: int) -> nn.Module:
+        """Layer `layer_idx`'s MLP: a dense SwiGLU unless the family says otherwise."""
+        return dense_mlp(config)
+
+    def activation_widths(self) -> set[int]:
+        """The widths SiLU(gate) * up runs at: each dense MLP's and each expert's."""
+        return {m.down_proj.in_features if isinstance(m, MLP) else m.inter
+                for m in self.modules() if isinstance(m, RunsActivation)}  # fmt: skip
 
     def forward(
         self,
@@ -209,7 +223,7 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm | Attention):
                 module.impl = impl
-            elif isinstance(module, MLP):
+            elif isinstance(module, RunsActivation):
                 module.impl = impl if impl in (NATIVE, TRITON) else EAGER
 
     def warm_up_products(self, max_rows: int) -> None:
@@ -218,11 +232,13 @@ class DecoderForCausalLM(nn.Module):
         the first time it meets a shape (~0.3 ms), which would otherwise fall on live steps."""
         if self.packed_lm_head is None:
             return
-        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
+        shapes: dict[tuple[int, int], Linear] = {}
+        for module in self.model.modules():
+            if isinstance(module, Linear):
+                shapes.setdefault((module.in_features, module.out_features), module)
         hidden = self.model.embed_tokens.weight.shape[1]
-        projections = [(attn.qkv_proj, hidden), (attn.o_proj, attn.o_proj.in_features),
-                       (mlp.gate_up_proj, hidden), (mlp.down_proj, mlp.down_proj.in_features),
-                       (self.compute_logits, hidden)]  # fmt: skip
+        projections = [(m, m.in_features) for m in shapes.values()]
+        projections.append((self.compute_logits, hidden))
         dtype = self.model.embed_tokens.weight.dtype
         with torch.inference_mode():
             for rows in range(1, max_rows + 1):
@@ -234,22 +250,5 @@ class DecoderForCausalLM(nn.Module):
         layout where that is faster (float32 and bfloat16 on a CPU)."""
         self.packed_lm_head = PrepackedLinear.for_cpu(self.lm_head.weight)
         for module in self.model.modules():
-            if isinstance(module, Linear):
+            if callable(getattr(module, "prepack", None)):
                 module.prepack()
-
-
-class LlamaForCausalLM(DecoderForCausalLM):
-    """The shared decoder as it is: RMSNorm before attention and MLP, rope (default, linear,
-    llama3 or yarn scaling), grouped-query attention, SwiGLU, tied or untied embeddings."""
-
-
-class Qwen2ForCausalLM(DecoderForCausalLM):
-    """Llama's decoder with biases on the q, k and v projections."""
-
-    qkv_bias = True
-
-
-class Qwen3ForCausalLM(DecoderForCausalLM):
-    """Llama's decoder with an RMSNorm on each head's queries and keys before rope."""
-
-    qk_norm = True

@@ -98,6 +98,22 @@ class RMSNorm(nn.Module):
         return add_norm(x, residual, self.weight, self.eps)
 
 
+class RunsActivation:
+    """A module whose SiLU(gate) * up runs as its `impl`: `NATIVE` or `TRITON` (fused kernels)
+    or `EAGER` (set by `DecoderForCausalLM.use_elementwise`)."""
+
+    impl: str = EAGER
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up for rows of [gate | up]."""
+        if self.impl == NATIVE:
+            return native_layers.silu_mul(gate_up)
+        if self.impl == TRITON:
+            return triton_layers().silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
 class Linear(nn.Linear):
     """`nn.Linear` that runs through a oneDNN copy of its weight once `prepack` made one (a
     CPU whose torch has the oneDNN ops): 7% off a 128-request workload in bfloat16

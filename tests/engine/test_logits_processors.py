@@ -67,7 +67,8 @@ def test_penalties_and_bias_match_the_reference_loop(checkpoints, arch):
         want = reference_greedy(path, prompt, settings, 14)
         assert out.outputs[0].token_ids == want, settings
         changed += want != hf_greedy(path, prompt, 14)
-    assert changed >= len(SETTINGS) - 2  # the settings do change what greedy decoding picks
+    # the settings do change what greedy decoding picks: on most rows, for every family
+    assert changed > len(SETTINGS) // 2
 
 
 def test_allowed_token_ids_limit_every_token(checkpoints):

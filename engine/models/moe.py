@@ -1,0 +1,166 @@
+"""Sparse mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE), routed as transformers routes.
+
+A softmax router picks each token's top-k experts. The experts run as grouped matrix products:
+the (token, expert) pairs are sorted by expert, each expert's rows are one contiguous group, and
+one grouped product per projection covers every expert (`torch.nn.functional.grouped_mm`; where
+this torch or device has none, one product per expert that got tokens). The outputs are weighted,
+put back in token order and summed over each token's k experts, in transformers' order.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conveyor.engine.models.decoder import MLP, dense_mlp
+from conveyor.engine.models.layers import Linear, RunsActivation
+
+log = logging.getLogger(__name__)
+
+# (gate, up, down) as each family's checkpoint names one expert's projections
+EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None where `grouped_mm` runs experts for this device and dtype, else why not."""
+    if not hasattr(F, "grouped_mm"):
+        return f"torch {torch.__version__} has no torch.nn.functional.grouped_mm"
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda" and dtype == torch.bfloat16:
+        major, _ = torch.cuda.get_device_capability(device)
+        return None if major >= 8 else f"grouped_mm needs compute capability 8.0 (has {major}.x)"
+    return f"grouped_mm does not run {dtype} on {device.type}"
+
+
+_told: set[str] = set()
+
+
+def _tell_once(reason: str) -> None:
+    if reason not in _told:
+        _told.add(reason)
+        log.info("experts run one product per expert: %s", reason)
+
+
+class Experts(RunsActivation, nn.Module):
+    """`num_experts` SwiGLU MLPs as two stacked weights: `gate_up` [E, 2·inter, hidden] (each
+    expert's gate rows, then its up rows) and `down` [E, hidden, inter]."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, names=EXPERT_NAMES):
+        super().__init__()
+        self.num_experts, self.inter = num_experts, inter
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.names = names
+        self.grouped = True  # set by `prepack`, once the device and dtype are known
+
+    def checkpoint_names(self, prefix: str) -> dict[str, tuple[str, Any]]:
+        """checkpoint tensor name -> (our parameter, its index) for every expert."""
+        gate, up, down = self.names
+        rows = {gate: slice(0, self.inter), up: slice(self.inter, 2 * self.inter)}
+        names: dict[str, tuple[str, Any]] = {}
+        for e in range(self.num_experts):
+            for name, part in rows.items():
+                names[f"{prefix}.{e}.{name}.weight"] = (f"{prefix}.gate_up", (e, part))
+            names[f"{prefix}.{e}.{down}.weight"] = (f"{prefix}.down", e)
+        return names
+
+    def prepack(self) -> None:
+        """Once the weights are loaded: grouped products where this device runs them."""
+        reason = grouped_mm_supported(self.gate_up.device, self.gate_up.dtype)
+        self.grouped = reason is None
+        if reason is not None:
+            _tell_once(reason)
+
+    def forward(
+        self, x: torch.Tensor, top_index: torch.Tensor, top_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, hidden]; each token's experts and their weights [T, k] -> [T, hidden]."""
+        k = top_index.shape[-1]
+        expert_ids, perm = torch.sort(top_index.reshape(-1), stable=True)
+        rows = x.index_select(0, perm // k)
+        counts = torch.bincount(expert_ids, minlength=self.num_experts)
+        h = self.silu_and_mul(self._linear(rows, self.gate_up, counts))
+        out = self._linear(h, self.down, counts) * top_weights.reshape(-1)[perm].unsqueeze(-1)
+        in_order = torch.empty_like(out)
+        in_order[perm] = out
+        return in_order.view(x.shape[0], k, -1).sum(dim=1).to(x.dtype)
+
+    def _linear(self, rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor):
+        """rows grouped by expert (`counts` each) times their expert's `weight`ᵀ."""
+        if self.grouped:
+            offsets = counts.cumsum(0, dtype=torch.int32)
+            return F.grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
+        out = rows.new_empty(rows.shape[0], weight.shape[1])
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                out[start : start + n] = F.linear(rows[start : start + n], weight[e])
+                start += n
+        return out
+
+
+class SparseMoe(nn.Module):
+    """The MLP of a mixture-of-experts layer: `gate` routes each token to `top_k` of the
+    experts; with `shared_inter`, a shared SwiGLU expert whose output a sigmoid gate scales is
+    added (Qwen2-MoE)."""
+
+    def __init__(
+        self,
+        config,
+        num_experts: int,
+        inter: int,
+        *,
+        norm_topk_prob: bool,
+        float_weights: bool = False,
+        names=EXPERT_NAMES,
+        shared_inter: int = 0,
+    ):
+        super().__init__()
+        hidden = config.hidden_size
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = norm_topk_prob
+        # Mixtral weighs the experts' outputs in float32, the Qwen families in the model's dtype
+        self.float_weights = float_weights
+        self.gate = Linear(hidden, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden, inter, names)
+        self.shared_expert = MLP(hidden, shared_inter, bias=False) if shared_inter else None
+        self.shared_expert_gate = Linear(hidden, 1, bias=False) if shared_inter else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top_weights, top_index = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        if not self.float_weights:
+            top_weights = top_weights.to(logits.dtype)
+        out = self.experts(x, top_index, top_weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def qwen_moe_mlp(config, layer_idx: int, shared_expert: bool) -> nn.Module:
+    """A Qwen MoE layer's MLP, by transformers' rule: a dense one in a layer of
+    `mlp_only_layers` or off every `decoder_sparse_step`-th, else the experts (with Qwen2-MoE's
+    gated shared expert where `shared_expert`)."""
+    sparse = (
+        layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
+        and config.num_experts > 0
+        and (layer_idx + 1) % config.decoder_sparse_step == 0
+    )
+    if not sparse:
+        return dense_mlp(config)
+    return SparseMoe(
+        config,
+        config.num_experts,
+        config.moe_intermediate_size,
+        norm_topk_prob=config.norm_topk_prob,
+        shared_inter=config.shared_expert_intermediate_size if shared_expert else 0,
+    )

@@ -1,0 +1,121 @@
+"""Mixture-of-experts layers: each family's MoE block equals transformers' on the same input,
+the experts' grouped products equal one product per expert, and the checkpoints' per-expert
+weights load into the stacked ones. (Greedy equality of whole models runs with the other
+families in test_engine_matches_hf.py, bfloat16 in test_bfloat16.py.)"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from conveyor.engine import LLM
+from conveyor.engine.models import moe
+from conveyor.engine.models.decoder import MLP
+from tests.hf_reference import hf_model
+
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def moe_layers(llm: LLM, hf) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
+    ours = [layer.mlp for layer in llm.runner.model.model.layers]
+    theirs = [layer.mlp for layer in hf.model.layers]
+    return [(a, b) for a, b in zip(ours, theirs, strict=True) if isinstance(a, moe.SparseMoe)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_each_moe_block_equals_transformers(checkpoints, arch, dtype):
+    """Routing (softmax, top-k, renormalising or not, the weights' dtype), the shared expert
+    and the experts' products as transformers computes them: the same numbers, bit for bit in
+    bfloat16 (in float32, the router's oneDNN product rounds in its own order)."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(checkpoints[arch]), device="cpu", dtype=str(dtype).removeprefix("torch."))
+    hf = AutoModelForCausalLM.from_pretrained(str(checkpoints[arch]), dtype=dtype)
+    pairs = moe_layers(llm, hf)
+    assert pairs, "the checkpoint has experts"
+    x = torch.randn(300, hf.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = x.to(dtype)
+    for ours, theirs in pairs:
+        assert ours.experts.grouped  # this torch has grouped_mm on the CPU
+        with torch.no_grad():
+            got, want = ours(x), theirs(x[None])[0]
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want)
+        else:
+            assert torch.allclose(got, want, rtol=0, atol=1e-6)
+
+
+def test_grouped_products_equal_one_product_per_expert():
+    """Experts that get no token, one token, or most of them."""
+    experts = moe.Experts(num_experts=6, hidden=32, inter=24)
+    with torch.no_grad():
+        experts.gate_up.normal_(0, 0.2)
+        experts.down.normal_(0, 0.2)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 32, generator=g)
+    index = torch.randint(0, 3, (40, 2), generator=g)
+    index[:, 1] = torch.where(index[:, 1] == index[:, 0], 5, index[:, 1])
+    index[0, 1] = 4  # expert 4 gets one token, expert 3 none
+    weights = torch.rand(40, 2, generator=g)
+    with torch.no_grad():
+        grouped = experts(x, index, weights)
+        experts.grouped = False
+        looped = experts(x, index, weights)
+    assert torch.allclose(grouped, looped, atol=1e-6)
+    # and each token is the weighted sum of its experts' SwiGLU outputs
+    with torch.no_grad():
+        want = torch.stack([
+            sum(w * swiglu(x[t], experts.gate_up[e], experts.down[e])
+                for e, w in zip(index[t].tolist(), weights[t], strict=True))
+            for t in range(40)
+        ])  # fmt: skip
+    assert torch.allclose(grouped, want, atol=1e-5)
+
+
+def swiglu(x, gate_up, down):
+    gate, up = (gate_up @ x).chunk(2)
+    return down @ (F.silu(gate) * up)
+
+
+def test_without_grouped_mm_experts_run_one_product_each_and_say_why(
+    checkpoints, monkeypatch, caplog
+):
+    monkeypatch.delattr(F, "grouped_mm")
+    moe._told.clear()
+    with caplog.at_level(logging.INFO, logger=moe.__name__):
+        llm = LLM(str(checkpoints["qwen3_moe"]), device="cpu", dtype="float32")
+    assert "experts run one product per expert: torch" in caplog.text
+    hf = hf_model(str(checkpoints["qwen3_moe"]))
+    x = torch.randn(64, hf.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    for ours, theirs in moe_layers(llm, hf):
+        assert not ours.experts.grouped
+        with torch.no_grad():
+            assert torch.allclose(ours(x), theirs(x[None])[0], rtol=0, atol=1e-6)
+
+
+def test_dense_layers_of_a_qwen_moe_stay_dense(checkpoints):
+    """`mlp_only_layers` (and `decoder_sparse_step`) keep a layer's MLP dense, as transformers
+    builds it; the tiny Qwen2-MoE has its first layer dense."""
+    llm = LLM(str(checkpoints["qwen2_moe"]), device="cpu", dtype="float32")
+    first, second = (layer.mlp for layer in llm.runner.model.model.layers)
+    assert isinstance(first, MLP) and isinstance(second, moe.SparseMoe)
+    assert second.shared_expert is not None and second.shared_expert_gate is not None
+    assert llm.runner.model.activation_widths() == {128, 32, 96}
+
+
+def test_a_missing_expert_weight_is_named(checkpoints, tmp_path):
+    """Each expert's projections load from the checkpoint's own names (Mixtral's
+    `block_sparse_moe.experts.N.w1`), and one that is missing is named."""
+    path = shutil.copytree(checkpoints["mixtral"], tmp_path / "m")
+    weights = load_file(path / "model.safetensors")
+    name = "model.layers.1.block_sparse_moe.experts.3.w3.weight"
+    del weights[name]
+    save_file(weights, path / "model.safetensors")
+    with pytest.raises(ValueError, match=f"lacks weights: {name}"):
+        LLM(str(path), dtype="float32", device="cpu")
