@@ -91,7 +91,7 @@ def config_dtype(config) -> torch.dtype:
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -104,7 +104,7 @@ def load_model(
     path: Path, config, dtype: torch.dtype, device: torch.device, max_positions: int
 ) -> DecoderForCausalLM:
     cls = MODEL_REGISTRY[config.architectures[0]]
-    with _default_dtype(dtype), torch.device(device):
+    with default_dtype(dtype), torch.device(device):
         model = cls(config, max_positions)
     load_weights(model, path)
     model.eval().requires_grad_(False)

@@ -9,6 +9,7 @@ put back in token order and summed over each token's k experts, in transformers'
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.engine.models.decoder import MLP, dense_mlp
-from conveyor.engine.models.layers import Linear, RunsActivation
+from conveyor.engine.models.layers import TRITON, Linear, RunsActivation
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,14 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> str | None
         major, _ = torch.cuda.get_device_capability(device)
         return None if major >= 8 else f"grouped_mm needs compute capability 8.0 (has {major}.x)"
     return f"grouped_mm does not run {dtype} on {device.type}"
+
+
+@functools.cache
+def triton_moe():
+    """`kernels.triton_moe`, imported on first use: Triton is installed only for GPUs."""
+    from conveyor.kernels import triton_moe
+
+    return triton_moe
 
 
 _told: set[str] = set()
@@ -57,7 +66,7 @@ class Experts(RunsActivation, nn.Module):
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.names = names
-        self.grouped = True  # set by `prepack`, once the device and dtype are known
+        self.grouped: bool | None = None  # decided by `prepack`, from the weights' device and dtype
 
     def checkpoint_names(self, prefix: str) -> dict[str, tuple[str, Any]]:
         """checkpoint tensor name -> (our parameter, its index) for every expert."""
@@ -82,9 +91,17 @@ class Experts(RunsActivation, nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden]; each token's experts and their weights [T, k] -> [T, hidden]."""
         k = top_index.shape[-1]
+        if self.impl == TRITON:  # both products fused over all experts, one launch each
+            out = triton_moe().expert_products(x, self.gate_up, self.down, top_index)
+            out = out * top_weights.reshape(-1, 1)
+            return out.view(x.shape[0], k, -1).sum(dim=1).to(x.dtype)
         expert_ids, perm = torch.sort(top_index.reshape(-1), stable=True)
         rows = x.index_select(0, perm // k)
-        counts = torch.bincount(expert_ids, minlength=self.num_experts)
+        if self.grouped is None:
+            self.prepack()
+        # not bincount: its length depends on the values, which a CUDA graph cannot capture
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
         h = self.silu_and_mul(self._linear(rows, self.gate_up, counts))
         out = self._linear(h, self.down, counts) * top_weights.reshape(-1)[perm].unsqueeze(-1)
         in_order = torch.empty_like(out)

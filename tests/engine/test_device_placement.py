@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    LlamaConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
+from conveyor.engine.loader import default_dtype
 from conveyor.engine.model_runner import ModelRunner
 from conveyor.engine.models import MODEL_REGISTRY
 from conveyor.engine.prompt_logprobs import PromptLogprobs
@@ -36,6 +44,21 @@ CONFIGS = {
     ),
     "qwen2": Qwen2Config(**SMALL, architectures=["Qwen2ForCausalLM"]),
     "qwen3": Qwen3Config(**SMALL, head_dim=32, architectures=["Qwen3ForCausalLM"]),
+    "mixtral": MixtralConfig(**SMALL, num_local_experts=4, architectures=["MixtralForCausalLM"]),
+    "qwen2_moe": Qwen2MoeConfig(
+        **SMALL,
+        num_experts=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        architectures=["Qwen2MoeForCausalLM"],
+    ),  # fmt: skip
+    "qwen3_moe": Qwen3MoeConfig(
+        **SMALL,
+        head_dim=32,
+        num_experts=8,
+        moe_intermediate_size=32,
+        architectures=["Qwen3MoeForCausalLM"],
+    ),  # fmt: skip
 }
 BLOCK = 8
 
@@ -63,9 +86,11 @@ def sequence(ids: list[int], computed: int, first_block: int) -> Sequence:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_a_step_runs_on_cuda_with_every_tensor_there(name: str):
+def test_a_step_runs_on_cuda_with_every_tensor_there(name: str, monkeypatch):
     config = CONFIGS[name]
-    with fake_cuda():
+    # the experts' grouped products run in bfloat16 on a GPU of compute capability 8.0 or more
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
+    with fake_cuda(), default_dtype(torch.bfloat16):
         device = torch.device("cuda", 0)
         model = MODEL_REGISTRY[config.architectures[0]](config, 256)
         assert model.model.rotary.cos.device == device
