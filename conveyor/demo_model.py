@@ -10,7 +10,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-ARCHITECTURES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+ARCHITECTURES = (
+    "llama", "mistral", "mixtral", "olmo2", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+)  # fmt: skip
 
 # a MoE router's weights: spread widely, so that the experts' scores rarely tie and rounding
 # (bfloat16, another summation order) seldom changes which experts a token gets
@@ -67,6 +69,7 @@ def model_config(arch: str, vocab_size: int, **overrides: Any) -> Any:
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
+        Olmo2Config,
         Qwen2Config,
         Qwen2MoeConfig,
         Qwen3Config,
@@ -99,6 +102,9 @@ def model_config(arch: str, vocab_size: int, **overrides: Any) -> Any:
         cls = MixtralConfig
         sizes.update(tie_word_embeddings=False, sliding_window=None, num_local_experts=4,
                      num_experts_per_tok=2)  # fmt: skip
+    elif arch == "olmo2":
+        cls = Olmo2Config
+        sizes.update(tie_word_embeddings=False)
     elif arch == "qwen2_moe":  # the first layer dense, the second with experts
         cls = Qwen2MoeConfig
         sizes.update(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,

@@ -10,7 +10,7 @@ from unittest import mock
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")  # of `checkpoints`
+ARCHS = ("llama", "qwen2", "qwen3", "olmo2", "mixtral", "qwen2_moe", "qwen3_moe")  # `checkpoints`
 
 
 @functools.cache

@@ -2,8 +2,9 @@
 `qwen3_moe.py`, ...) subclasses `DecoderForCausalLM` and states only how it differs.
 
 Read off the config: `attention_bias`, `mlp_bias`, tied embeddings and an explicit `head_dim`;
-stated by a family: q/k/v bias (`qkv_bias`), per-head q/k RMSNorm (`qk_norm`) and each layer's
-MLP (`make_mlp`: dense SwiGLU here, a mixture of experts in the MoE families). Parameter names match
+stated by a family: q/k/v bias (`qkv_bias`), q/k RMSNorm (`qk_norm`: per head or over the whole
+projection), each layer's MLP (`make_mlp`: dense SwiGLU here, a mixture of experts in the MoE
+families) and the layer itself (`layer_class`, where the norms sit elsewhere). Parameter names match
 the Hugging Face checkpoints, except that q/k/v and gate/up are packed into one matmul each
 (`PACKED`: the loader fills their rows). K/V live only in the paged cache.
 """
@@ -43,12 +44,17 @@ PACKED = {
 }
 
 
+# where a family normalises queries and keys before rope: each head's (Qwen3), or the whole
+# q and k projections' outputs (OLMo 2)
+QK_NORM_PER_HEAD, QK_NORM_FULL_WIDTH = "per_head", "full_width"
+
+
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class Attention(nn.Module):
-    def __init__(self, config, qk_norm: bool, qkv_bias: bool):
+    def __init__(self, config, qk_norm: str | None, qkv_bias: bool):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -62,9 +68,10 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
         self.impl = EAGER  # how rope runs (see `DecoderForCausalLM.use_elementwise`)
         self.qk_norm = qk_norm
-        if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        if qk_norm is not None:
+            full = qk_norm == QK_NORM_FULL_WIDTH
+            self.q_norm = RMSNorm(q_size if full else self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(kv_size if full else self.head_dim, config.rms_norm_eps)
 
     def forward(
         self,
@@ -75,13 +82,15 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj.forward_shards(x)
+        if self.qk_norm == QK_NORM_FULL_WIDTH:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.impl == TRITON:
             q, k = self._norm_rope_in_place(rope, q, k)
         else:
-            if self.qk_norm:
+            if self.qk_norm == QK_NORM_PER_HEAD:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self._rope(rope, q, k)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
@@ -96,7 +105,7 @@ class Attention(nn.Module):
         """The q/k norms and rope, one kernel each for q and k, written over the q and k
         views of the packed projection's output."""
         fused = triton_layers()
-        if self.qk_norm:
+        if self.qk_norm == QK_NORM_PER_HEAD:
             q_norm, k_norm = self.q_norm, self.k_norm
             return (fused.norm_rope_(q, *rope, q_norm.weight, q_norm.eps),
                     fused.norm_rope_(k, *rope, k_norm.weight, k_norm.eps))  # fmt: skip
@@ -119,7 +128,7 @@ def dense_mlp(config, inter: int | None = None) -> MLP:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qk_norm: bool, qkv_bias: bool, mlp: nn.Module):
+    def __init__(self, config, qk_norm: str | None, qkv_bias: bool, mlp: nn.Module):
         super().__init__()
         self.self_attn = Attention(config, qk_norm, qkv_bias)
         self.mlp = mlp
@@ -143,12 +152,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, qk_norm: bool, qkv_bias: bool, max_positions: int, make_mlp):
+    def __init__(self, config, family: type[DecoderForCausalLM], qkv_bias: bool, max_positions):
         super().__init__()
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qk_norm, qkv_bias, make_mlp(config, i))
+            family.layer_class(config, family.qk_norm, qkv_bias, family.make_mlp(config, i))
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -164,8 +173,9 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    qk_norm = False
+    qk_norm: str | None = None
     qkv_bias = False
+    layer_class: type[nn.Module] = DecoderLayer
     # our module path -> the checkpoint's, where a family names a module otherwise
     checkpoint_renames: dict[str, str] = {}
 
@@ -173,7 +183,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         qkv_bias = bool(getattr(config, "qkv_bias", self.qkv_bias))  # Qwen2-MoE's flag
         qkv_bias = qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.model = DecoderModel(config, self.qk_norm, qkv_bias, max_positions, self.make_mlp)
+        self.model = DecoderModel(config, type(self), qkv_bias, max_positions)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

@@ -2,7 +2,7 @@
 
 from torch import nn
 
-from conveyor.engine.models.decoder import DecoderForCausalLM
+from conveyor.engine.models.decoder import QK_NORM_PER_HEAD, DecoderForCausalLM
 from conveyor.engine.models.moe import qwen_moe_mlp
 
 
@@ -11,7 +11,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
     `num_experts` experts by a softmax router, renormalised when `norm_topk_prob`; a layer in
     `mlp_only_layers`, or off every `decoder_sparse_step`-th, keeps a dense MLP."""
 
-    qk_norm = True
+    qk_norm = QK_NORM_PER_HEAD
 
     @classmethod
     def make_mlp(cls, config, layer_idx: int) -> nn.Module:

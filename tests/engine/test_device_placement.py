@@ -8,6 +8,7 @@ import torch
 from transformers import (
     LlamaConfig,
     MixtralConfig,
+    Olmo2Config,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
@@ -44,6 +45,7 @@ CONFIGS = {
     ),
     "qwen2": Qwen2Config(**SMALL, architectures=["Qwen2ForCausalLM"]),
     "qwen3": Qwen3Config(**SMALL, head_dim=32, architectures=["Qwen3ForCausalLM"]),
+    "olmo2": Olmo2Config(**SMALL, architectures=["Olmo2ForCausalLM"]),
     "mixtral": MixtralConfig(**SMALL, num_local_experts=4, architectures=["MixtralForCausalLM"]),
     "qwen2_moe": Qwen2MoeConfig(
         **SMALL,
