@@ -24,6 +24,7 @@ BENCH_COLUMNS = {
     "eval_scoring": ["requests", "cached_share", "speedup_vs_off", "logprobs_equal"],
     "gpu_check": ["device", "model", "check", "ok", "seconds"],
     "grammar_engines": ["llguidance", "xgrammar"],
+    "moe_vs_hf": ["dtype", "cpu_isa", "ours_tok_s", "hf_tok_s", "hf_batch_size", "ratio"],
     "online_churn": ["cpu_isa", "online_rate_limit", "drops", "refused", "ratio_vs_quiet",
                      "engine_ratio_vs_quiet", "abort_latency_ms_p50"],
     "prefix_sharing": ["num_requests", "cached_fraction", "ratio_vs_off", "ratio_vs_hf"],
