@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 ARCHITECTURES = (
-    "llama", "mistral", "mixtral", "olmo2", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+    "llama", "mistral", "mixtral", "olmo2", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
 )  # fmt: skip
 
 # a MoE router's weights: spread widely, so that the experts' scores rarely tie and rounding
@@ -70,6 +70,7 @@ def model_config(arch: str, vocab_size: int, **overrides: Any) -> Any:
         MistralConfig,
         MixtralConfig,
         Olmo2Config,
+        Phi3Config,
         Qwen2Config,
         Qwen2MoeConfig,
         Qwen3Config,
@@ -105,6 +106,10 @@ def model_config(arch: str, vocab_size: int, **overrides: Any) -> Any:
     elif arch == "olmo2":
         cls = Olmo2Config
         sizes.update(tie_word_embeddings=False)
+    elif arch == "phi3":
+        cls = Phi3Config
+        sizes.update(tie_word_embeddings=False, sliding_window=None, pad_token_id=0,
+                     bos_token_id=None, eos_token_id=0)  # fmt: skip
     elif arch == "qwen2_moe":  # the first layer dense, the second with experts
         cls = Qwen2MoeConfig
         sizes.update(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,

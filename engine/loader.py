@@ -40,6 +40,12 @@ def load_config(path: Path):
 
     config = AutoConfig.from_pretrained(path)
     arch = (getattr(config, "architectures", None) or [None])[0]
+    if arch not in MODEL_REGISTRY and getattr(config, "vision_config", None) is not None:
+        raise ValueError(
+            f"{arch} in {path / 'config.json'} is a multimodal checkpoint (it has a vision "
+            "encoder); this engine serves text-only models: "
+            f"{', '.join(sorted(MODEL_REGISTRY))}"
+        )
     if arch not in MODEL_REGISTRY:
         raise ValueError(
             f"unsupported architecture {arch!r} in {path / 'config.json'}; "
@@ -65,6 +71,14 @@ def _refuse_what_would_run_wrong(config, path: Path) -> None:
         raise ValueError(
             f"{path / 'config.json'} is a quantized checkpoint ({method}); this engine runs "
             "float32, float16 and bfloat16 weights only: use the unquantized model"
+        )
+    partial = rope_parameters(config).get("partial_rotary_factor") or getattr(
+        config, "partial_rotary_factor", 1.0
+    )
+    if partial != 1.0:
+        raise ValueError(
+            f"partial_rotary_factor={partial} in {path / 'config.json'}: rope over part of each "
+            "head is not implemented"
         )
     rope_type = rope_parameters(config).get("rope_type", "default")
     if rope_type not in STATIC_ROPE_TYPES:
@@ -174,7 +188,7 @@ def _expected_checkpoint_names(model: DecoderForCausalLM) -> dict[str, tuple[str
     for param_name in dict(model.named_parameters()):
         module_path, _, attr = param_name.rpartition(".")
         module = modules[module_path]
-        if isinstance(module, PackedLinear):
+        if isinstance(module, PackedLinear) and not model.fused_checkpoint:
             parent, _, packed = module_path.rpartition(".")
             for ckpt_module, (target, shard) in PACKED.items():
                 if target == packed:

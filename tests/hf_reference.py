@@ -10,7 +10,8 @@ from unittest import mock
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "olmo2", "mixtral", "qwen2_moe", "qwen3_moe")  # `checkpoints`
+# the families of `checkpoints` (tests/conftest.py)
+ARCHS = ("llama", "qwen2", "qwen3", "olmo2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 @functools.cache

@@ -2,6 +2,7 @@ from conveyor.engine.models.decoder import DecoderForCausalLM
 from conveyor.engine.models.llama import LlamaForCausalLM
 from conveyor.engine.models.mixtral import MixtralForCausalLM
 from conveyor.engine.models.olmo2 import Olmo2ForCausalLM
+from conveyor.engine.models.phi3 import Phi3ForCausalLM
 from conveyor.engine.models.qwen2 import Qwen2ForCausalLM
 from conveyor.engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from conveyor.engine.models.qwen3 import Qwen3ForCausalLM
@@ -13,6 +14,7 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,

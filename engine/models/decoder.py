@@ -178,6 +178,8 @@ class DecoderForCausalLM(nn.Module):
     layer_class: type[nn.Module] = DecoderLayer
     # our module path -> the checkpoint's, where a family names a module otherwise
     checkpoint_renames: dict[str, str] = {}
+    # whether the checkpoint stores q/k/v and gate/up already packed, as we do (Phi-3)
+    fused_checkpoint = False
 
     def __init__(self, config, max_positions: int):
         super().__init__()

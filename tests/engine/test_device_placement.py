@@ -9,6 +9,7 @@ from transformers import (
     LlamaConfig,
     MixtralConfig,
     Olmo2Config,
+    Phi3Config,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
@@ -46,6 +47,7 @@ CONFIGS = {
     "qwen2": Qwen2Config(**SMALL, architectures=["Qwen2ForCausalLM"]),
     "qwen3": Qwen3Config(**SMALL, head_dim=32, architectures=["Qwen3ForCausalLM"]),
     "olmo2": Olmo2Config(**SMALL, architectures=["Olmo2ForCausalLM"]),
+    "phi3": Phi3Config(**SMALL, pad_token_id=0, architectures=["Phi3ForCausalLM"]),
     "mixtral": MixtralConfig(**SMALL, num_local_experts=4, architectures=["MixtralForCausalLM"]),
     "qwen2_moe": Qwen2MoeConfig(
         **SMALL,

@@ -123,3 +123,36 @@ def test_a_sharded_checkpoint_loads_by_its_index_beside_other_weights(checkpoint
     want = LLM(str(src), dtype="float32", device="cpu").generate(prompt, params, use_tqdm=False)
     got = LLM(str(sharded), dtype="float32", device="cpu").generate(prompt, params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+def test_a_fused_checkpoint_loads_its_packed_weights_and_names_a_missing_one(checkpoints, tmp_path):
+    """Phi-3 stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`."""
+    path = copy_checkpoint(checkpoints["phi3"], tmp_path / "m")
+    weights = load_file(path / "model.safetensors")
+    assert "model.layers.0.self_attn.qkv_proj.weight" in weights
+    del weights["model.layers.1.mlp.gate_up_proj.weight"]
+    save_file(weights, path / "model.safetensors")
+    with pytest.raises(ValueError, match="lacks weights: model.layers.1.mlp.gate_up_proj.weight"):
+        LLM(str(path), dtype="float32", device="cpu")
+
+
+def test_rope_over_part_of_each_head_is_refused(checkpoints, tmp_path):
+    path = copy_checkpoint(checkpoints["phi3"], tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    config["partial_rotary_factor"] = 0.75
+    config.get("rope_parameters", {}).pop("partial_rotary_factor", None)
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0.75 .* not implemented"):
+        LLM(str(path), dtype="float32", device="cpu")
+
+
+def test_a_multimodal_checkpoint_is_refused_as_one(checkpoints, tmp_path):
+    path = copy_checkpoint(checkpoints["llama"], tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    text = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+    config = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+              "text_config": {**text, "model_type": "llama"},
+              "vision_config": {"model_type": "clip_vision_model"}}  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="multimodal checkpoint .* text-only models: "):
+        LLM(str(path), dtype="float32", device="cpu")
