@@ -25,7 +25,6 @@ from conveyor.engine.errors import (
     InvalidSamplingParamsError,
 )
 from conveyor.engine.loader import (
-    attention_window,
     config_dtype,
     eos_token_ids,
     load_config,
@@ -155,25 +154,8 @@ class LLMEngine:
                 f"max_model_len={max_model_len} exceeds the model's "
                 f"max_position_embeddings={max_positions}"
             )
-        self.model_len_limit = self._model_len_limit(hf_config, max_model_len)
+        self.model_len_limit = max_positions
         return load_model(path, hf_config, self.dtype, self.device, max_positions)
-
-    def _model_len_limit(self, hf_config: Any, max_model_len: int | None) -> int:
-        """The longest sequence this engine runs exactly: the model's positions, or its
-        attention window where it has one, as attention over a window is not implemented:
-        a sequence no longer than the window attends to all of it, full attention's answer."""
-        limit = hf_config.max_position_embeddings
-        window = attention_window(hf_config)
-        if window is None or window >= limit:
-            return limit
-        if max_model_len is not None and max_model_len > window:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's sliding attention window "
-                f"({window} tokens), which this engine does not implement: it runs sequences of "
-                f"at most {window} tokens, where the window holds them whole"
-            )
-        log.info("max_model_len capped to the model's sliding window of %d tokens", window)
-        return window
 
     def _num_kv_blocks(self, net: DecoderForCausalLM, backend: AttentionBackend) -> int:
         """The configured number of KV cache blocks, else as many as the memory budget holds."""

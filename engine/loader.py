@@ -51,8 +51,6 @@ def load_config(path: Path):
             f"unsupported architecture {arch!r} in {path / 'config.json'}; "
             f"supported: {', '.join(sorted(MODEL_REGISTRY))}"
         )
-    if getattr(config, "use_sliding_window", False):
-        raise ValueError("sliding-window attention is not supported (use_sliding_window=true)")
     _refuse_what_would_run_wrong(config, path)
     return config
 
@@ -87,16 +85,6 @@ def _refuse_what_would_run_wrong(config, path: Path) -> None:
             f"frequencies change with the sequence's length); supported: "
             f"{', '.join(STATIC_ROPE_TYPES)}"
         )
-
-
-def attention_window(config) -> int | None:
-    """The sliding window the model's attention keeps, in tokens, or None for full attention.
-    A config's `sliding_window` counts only where the family uses it: Mistral's always, and
-    where a config has `use_sliding_window` (Qwen2, Qwen3), only when that is true."""
-    window = getattr(config, "sliding_window", None)
-    if not window or not getattr(config, "use_sliding_window", True):
-        return None
-    return int(window)
 
 
 def config_dtype(config) -> torch.dtype:

@@ -21,6 +21,9 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Write this step's K/V into the caches, then attend; returns [T, heads, head_dim]."""
+        """Write this step's K/V into the caches, then attend, each query to the keys at its
+        position and before (the last `window` of them, where the layer has a sliding window);
+        returns [T, heads, head_dim]."""
         ...

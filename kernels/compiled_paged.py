@@ -29,9 +29,10 @@ log = logging.getLogger(__name__)
 PV_CHUNK = 16
 
 
-def _decode_core(query, k_cache, v_cache, tables, context_lens, scale: float):
+def _decode_core(query, k_cache, v_cache, tables, context_lens, first, scale: float):
     """tables: [B, W] block ids, where columns past a sequence's last block repeat that block
-    (so every load is of a real block already in cache; the mask drops those positions)."""
+    (so every load is of a real block already in cache; the mask drops those positions);
+    first: [B] each sequence's first visible position (0, or where its window starts)."""
     batch, heads, head_dim = query.shape
     kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
@@ -43,7 +44,9 @@ def _decode_core(query, k_cache, v_cache, tables, context_lens, scale: float):
     positions = torch.arange(width, device=query.device)[:, None] * block_size + torch.arange(
         block_size, device=query.device
     )
-    valid = positions[None] < context_lens[:, None, None]  # [B, W, bs]
+    valid = (positions[None] < context_lens[:, None, None]) & (
+        positions[None] >= first[:, None, None]
+    )  # [B, W, bs]
     scores = torch.where(valid[:, None, None], scores, float("-inf"))
     top = scores.amax(dim=(3, 4), keepdim=True)
     probs = torch.exp(scores - top)
@@ -70,13 +73,13 @@ _persistent_cache()
 _compiled = torch.compile(_decode_core, dynamic=False)
 
 
-def _mark_dynamic(query, k_cache, v_cache, tables, lens) -> None:
+def _mark_dynamic(query, k_cache, v_cache, tables, lens, first) -> None:
     # Batch, table width and pool size are unbacked sizes: one graph for every value, 1
     # included (mark_dynamic would specialise on 1). Head counts, head size and block size
     # stay static so inductor can unroll and vectorise over them. The batch hint of 1 makes it
     # split work over (batch, KV head), which keeps both cores busy for small batches too.
     mark = torch._dynamo.decorators.mark_unbacked
-    for t in (query, tables, lens):
+    for t in (query, tables, lens, first):
         mark(t, 0, shape_id="batch", hint_override=1)
     mark(tables, 1, hint_override=32)
     mark(k_cache, 0, shape_id="num_blocks", hint_override=4096)
@@ -91,6 +94,7 @@ def decode_attention(
     context_lens: torch.Tensor,  # [B], each >= 1
     scale: float,
     return_lse: bool = False,
+    window: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same inputs and results as `torch_paged.decode_attention`."""
     if query.shape[0] == 0:
@@ -100,7 +104,9 @@ def decode_attention(
     num_blocks = (context_lens + (block_size - 1)) // block_size
     parts = split_by_width(num_blocks)
     if parts is None:
-        out, lse = _decode(query, k_cache, v_cache, block_tables, context_lens, num_blocks, scale)
+        out, lse = _decode(
+            query, k_cache, v_cache, block_tables, context_lens, num_blocks, scale, window
+        )
     else:
         out = torch.empty_like(query)
         lse = query.new_empty(query.shape[:2], dtype=torch.float32)
@@ -113,6 +119,7 @@ def decode_attention(
                 context_lens[rows],
                 num_blocks[rows],
                 scale,
+                window,
             )
     return (out, lse) if return_lse else out
 
@@ -134,7 +141,7 @@ def split_by_width(num_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return order[: best + 1], order[best + 1 :]
 
 
-def _decode(query, k_cache, v_cache, block_tables, context_lens, num_blocks, scale: float):
+def _decode(query, k_cache, v_cache, block_tables, context_lens, num_blocks, scale, window):
     # one set of guards whatever the caller's grad mode or index dtypes: no recompiles (a
     # split's rows are selected outside, so they are the same kind of tensor as unsplit ones)
     with torch.inference_mode():
@@ -143,8 +150,9 @@ def _decode(query, k_cache, v_cache, block_tables, context_lens, num_blocks, sca
         last = torch.minimum(cols[None, :], num_blocks[:, None] - 1)
         tables = torch.gather(block_tables[:, :width], 1, last).to(torch.int64).contiguous()
         lens = context_lens.to(torch.int64, copy=True)
-        _mark_dynamic(query, k_cache, v_cache, tables, lens)
-        return _compiled(query, k_cache, v_cache, tables, lens, float(scale))
+        first = torch.zeros_like(lens) if window is None else (lens - window).clamp_(min=0)
+        _mark_dynamic(query, k_cache, v_cache, tables, lens, first)
+        return _compiled(query, k_cache, v_cache, tables, lens, first, float(scale))
 
 
 def compiler_missing() -> str | None:

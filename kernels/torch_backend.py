@@ -15,17 +15,17 @@ class TorchPagedAttention:
     decode_attention = staticmethod(torch_paged.decode_attention)
     prefill_attention = staticmethod(torch_paged.prefill_attention)
 
-    def forward(self, query, key, value, k_cache, v_cache, meta, scale):  # noqa: D102
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale, window=None):  # noqa: D102
         self.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         plan = meta.cascade
-        if plan is None:
-            return self._attend(query, key, value, k_cache, v_cache, meta, scale, False)[0]
+        if plan is None or window is not None:  # a shared prefix may lie outside the window
+            return self._attend(query, key, value, k_cache, v_cache, meta, scale, False, window)[0]
         out, lse = self._attend(query, key, value, k_cache, v_cache, plan.suffix, scale, True)
         for prefix in plan.prefixes:
             cascade.merge_prefix(out, lse, query, k_cache, v_cache, prefix, scale)
         return out
 
-    def _attend(self, query, key, value, k_cache, v_cache, meta, scale, return_lse):
+    def _attend(self, query, key, value, k_cache, v_cache, meta, scale, return_lse, window=None):
         """Attention of every query over the cache `meta` describes, and with `return_lse`
         the log-sum-exp of its scores (else None)."""
         d = meta.num_decode_tokens
@@ -40,6 +40,7 @@ class TorchPagedAttention:
                     meta.decode_context_lens,
                     scale,
                     return_lse=return_lse,
+                    window=window,
                 )
             )
         if meta.num_prefills:
@@ -55,6 +56,7 @@ class TorchPagedAttention:
                     key[d:],  # a prompt with nothing cached attends to these, no gather
                     value[d:],
                     return_lse=return_lse,
+                    window=window,
                 )
             )
         if not return_lse:
@@ -86,21 +88,27 @@ class CompiledPagedAttention(TorchPagedAttention):
             torch_paged.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def decode_attention(
-        self, query, k_cache, v_cache, block_tables, context_lens, scale, return_lse=False
-    ):
-        covered = native_paged.covers(query, k_cache)
-        kernel = native_paged.decode_attention if covered else self.inductor_decode
-        return kernel(query, k_cache, v_cache, block_tables, context_lens, scale, return_lse)
+        self, query, k_cache, v_cache, block_tables, context_lens, scale, return_lse=False,
+        window=None,
+    ):  # fmt: skip
+        # the bfloat16 kernel has no window: a windowed layer's decode runs inductor's
+        if native_paged.covers(query, k_cache) and window is None:
+            return native_paged.decode_attention(
+                query, k_cache, v_cache, block_tables, context_lens, scale, return_lse
+            )
+        return self.inductor_decode(
+            query, k_cache, v_cache, block_tables, context_lens, scale, return_lse, window
+        )
 
     def prefill_attention(
         self, query, k_cache, v_cache, block_tables, query_start, context_lens, scale, key=None,
-        value=None, return_lse=False,
+        value=None, return_lse=False, window=None,
     ):  # fmt: skip
-        if native_paged.covers(query, k_cache):
+        if native_paged.covers(query, k_cache) and window is None:
             return native_paged.prefill_attention(
                 query, k_cache, v_cache, block_tables, query_start, context_lens, scale, return_lse
             )
         return torch_paged.prefill_attention(
             query, k_cache, v_cache, block_tables, query_start, context_lens, scale, key, value,
-            return_lse,
+            return_lse, window,
         )  # fmt: skip

@@ -5,6 +5,9 @@ head's keys for `block_size` consecutive positions as one contiguous [block_size
 matrix, so gathered blocks feed batched matmuls without a transposing copy. The token at
 position n of a sequence lives in block `block_table[n // block_size]`, row `n % block_size`;
 its flat slot number is `block * block_size + n % block_size`.
+
+With a sliding `window` (a layer of Mistral, Qwen2 with `use_sliding_window`, ...) the query at
+position p sees the keys at positions p - window + 1 .. p only, as transformers masks them.
 """
 
 from __future__ import annotations
@@ -49,9 +52,11 @@ def decode_attention(
     context_lens: torch.Tensor,  # [B]
     scale: float,
     return_lse: bool = False,
+    window: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Attention of each query over its sequence's cache; with `return_lse` also the
-    log-sum-exp of its scaled scores, [B, heads] float32 (for merging partial attentions)."""
+    """Attention of each query over its sequence's cache (its last `window` tokens where the
+    layer has one); with `return_lse` also the log-sum-exp of its scaled scores, [B, heads]
+    float32 (for merging partial attentions)."""
     batch, heads, head_dim = query.shape
     num_blocks, kv_heads, block_size = k_cache.shape[:3]
     group = heads // kv_heads
@@ -75,7 +80,10 @@ def decode_attention(
         v = torch.index_select(v_blocks, 0, ids).view(shape)
         scores = torch.matmul(q[first:last], k.transpose(-1, -2))  # [rows, width, kv, g, bs]
         scores = scores.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, group, width * block_size)
-        pad = torch.arange(width * block_size, device=query.device) >= lens[first:last, None]
+        cols = torch.arange(width * block_size, device=query.device)
+        pad = cols >= lens[first:last, None]
+        if window is not None:
+            pad |= cols < lens[first:last, None] - window
         scores = scores.float().mul_(scale).masked_fill_(pad[:, None, None, :], float("-inf"))
         if return_lse:
             lse[first:last] = torch.logsumexp(scores, dim=-1)
@@ -103,15 +111,17 @@ def prefill_attention(
     key: torch.Tensor | None = None,  # [T, kv_heads, head_dim]: this step's keys, if at hand
     value: torch.Tensor | None = None,
     return_lse: bool = False,
+    window: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Each chunk's queries over their sequence's cache, causally; with `return_lse` also the
-    log-sum-exp of each query's scaled scores, [T, heads] float32 (CPU only)."""
+    """Each chunk's queries over their sequence's cache, causally (and within `window`); with
+    `return_lse` also the log-sum-exp of each query's scaled scores, [T, heads] float32 (CPU
+    only)."""
     out = torch.empty_like(query)
     lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
     for i, context_len in enumerate(context_lens):
         start, end = query_start[i], query_start[i + 1]
         n = end - start
-        if key is not None and value is not None and n == context_len:
+        if key is not None and value is not None and n == context_len and window is None:
             # nothing cached before this chunk: attend to its own keys, plain causal
             q = query[start:end].transpose(0, 1)  # [heads, q_len, d]
             k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
@@ -133,7 +143,10 @@ def prefill_attention(
         q = query[start:end].view(n, kv_heads, group, head_dim).transpose(0, 1)
         q = q.reshape(kv_heads, n * group, head_dim)
         q_pos = torch.arange(context_len - n, context_len, device=query.device)
-        mask = torch.arange(context_len, device=query.device)[None, :] <= q_pos[:, None]
+        k_pos = torch.arange(context_len, device=query.device)[None, :]
+        mask = k_pos <= q_pos[:, None]
+        if window is not None:
+            mask &= k_pos > q_pos[:, None] - window
         o, o_lse = _sdpa(q, k, v, mask.repeat_interleave(group, 0), scale, return_lse)
         out[start:end] = (
             o.view(kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, -1, head_dim)
@@ -180,12 +193,14 @@ def dense_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The plainest correct decode attention: one sequence at a time. For tests."""
     out = torch.empty_like(query)
     for i, n in enumerate(context_lens.tolist()):
-        k = gather_context(k_cache, block_tables[i], n).float()  # [kv_heads, n, d]
-        v = gather_context(v_cache, block_tables[i], n).float()
+        first = 0 if window is None else max(0, n - window)
+        k = gather_context(k_cache, block_tables[i], n)[:, first:].float()  # [kv_heads, n, d]
+        v = gather_context(v_cache, block_tables[i], n)[:, first:].float()
         group = query.shape[1] // k.shape[0]
         k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
         scores = torch.einsum("hd,hnd->hn", query[i].float(), k) * scale

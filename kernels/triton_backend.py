@@ -21,7 +21,7 @@ class TritonPagedAttention:
         k_cache, v_cache = kv_caches[0]
         self.kernels.warm_up(k_cache, v_cache, heads, max_context_len)
 
-    def forward(self, query, key, value, k_cache, v_cache, meta, scale):  # noqa: D102
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale, window=None):  # noqa: D102
         tk = self.kernels
         tk.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         d = meta.num_decode_tokens
@@ -36,6 +36,7 @@ class TritonPagedAttention:
                 scale,
                 max_context_len=meta.decode_max_context_len or None,
                 out=out[:d],
+                window=window,
             )
         if meta.num_prefills:
             query_start, context_lens = (
@@ -55,5 +56,6 @@ class TritonPagedAttention:
                 scale,
                 max_query_len=meta.prefill_max_query_len or None,
                 out=out[d:],
+                window=window,
             )
         return out

@@ -135,11 +135,13 @@ def _online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
 # ---------------------------------------------------------------------------------------------
 # decode
 
+NO_WINDOW = 1 << 30  # a window no context reaches: the kernels' "attend to everything"
+
 
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    part_out_ptr, part_lse_ptr, scale, num_splits,
+    part_out_ptr, part_lse_ptr, scale, num_splits, window,
     stride_qb, stride_qh, stride_tb,
     stride_cb, stride_ch, stride_co,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
@@ -151,8 +153,9 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + b).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    first = tl.maximum(context_len - window, 0)  # the window's first position (0: no window)
+    split_len = tl.cdiv(tl.cdiv(context_len - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + split * split_len
     end = tl.minimum(start + split_len, context_len)
 
     g = tl.arange(0, G_P2)
@@ -284,7 +287,9 @@ def paged_decode_attention(
     max_context_len: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
+    """Attention of each query over its sequence's cache, or over its last `window` tokens."""
     batch, heads, head_dim = query.shape
     kv_heads, block_size = _check_cache(k_cache, v_cache, heads)
     out = torch.empty_like(query) if out is None else out
@@ -308,7 +313,7 @@ def paged_decode_attention(
     with on_device(query.device):
         _decode_split_kernel[(batch, kv_heads, num_splits)](
             query, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, scale,
-            num_splits,
+            num_splits, NO_WINDOW if window is None else window,
             query.stride(0), query.stride(1), block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
@@ -338,7 +343,7 @@ def paged_decode_attention(
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_ptr,
-    context_lens_ptr, scale,
+    context_lens_ptr, scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_tb,
     stride_cb, stride_ch, stride_co,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -367,12 +372,15 @@ def _prefill_kernel(
     # keys up to this tile's last query position; nothing for a tile past the queries
     hi = tl.minimum(context_len, context_len - q_len + (tile + 1) * BLOCK_M)
     hi = tl.where(tile * BLOCK_M < q_len, hi, 0)
+    # and from the first key this tile's first query sees within the window
+    lo = tl.maximum(context_len - q_len + tile * BLOCK_M - window + 1, 0)
+    lo = lo // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_P2], tl.float32)
     table = block_tables_ptr + i * stride_tb
-    for n0 in range(0, hi, BLOCK_N):
+    for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         valid = n < hi
         k, v = _load_kv_tile(
@@ -380,7 +388,8 @@ def _prefill_kernel(
             stride_cb, stride_ch, stride_co, BLOCK_SIZE, DOT_FP32,
         )  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(valid[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        seen = (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - window)
+        s = tl.where(valid[None, :] & seen, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -399,7 +408,9 @@ def paged_prefill_attention(
     *,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
+    """Each chunk's queries over their sequence's cache, causally (and within `window`)."""
     num_tokens, heads, head_dim = query.shape
     kv_heads, block_size = _check_cache(k_cache, v_cache, heads)
     out = torch.empty_like(query) if out is None else out
@@ -413,6 +424,7 @@ def paged_prefill_attention(
     with on_device(query.device):
         _prefill_kernel[grid](
             query, k_cache, v_cache, out, block_tables, query_start, context_lens, scale,
+            NO_WINDOW if window is None else window,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,

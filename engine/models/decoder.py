@@ -49,6 +49,19 @@ PACKED = {
 QK_NORM_PER_HEAD, QK_NORM_FULL_WIDTH = "per_head", "full_width"
 
 
+def layer_windows(config) -> list[int | None]:
+    """Each layer's sliding attention window in tokens, None for full attention. A config's
+    `sliding_window` counts where the family uses it: in Mistral's (and Mixtral's, Phi-3's)
+    every layer; where the config has `use_sliding_window` (Qwen2, Qwen3) only when that is
+    true, and then in the layers its `layer_types` name `sliding_attention`."""
+    layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if not window or not getattr(config, "use_sliding_window", True):
+        return [None] * layers
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * layers
+    return [int(window) if kind == "sliding_attention" else None for kind in types]
+
+
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -65,6 +78,7 @@ class Attention(nn.Module):
             config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias
         )
         o_bias = bool(getattr(config, "attention_bias", False))  # Qwen2 biases q/k/v only
+        self.window: int | None = None  # a sliding window, set by the model per layer
         self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
         self.impl = EAGER  # how rope runs (see `DecoderForCausalLM.use_elementwise`)
         self.qk_norm = qk_norm
@@ -93,7 +107,7 @@ class Attention(nn.Module):
             if self.qk_norm == QK_NORM_PER_HEAD:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self._rope(rope, q, k)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
     def _rope(self, rope: Rope, q: torch.Tensor, k: torch.Tensor):
@@ -160,6 +174,8 @@ class DecoderModel(nn.Module):
             family.layer_class(config, family.qk_norm, qkv_bias, family.make_mlp(config, i))
             for i in range(config.num_hidden_layers)
         )
+        for layer, window in zip(self.layers, layer_windows(config), strict=True):
+            layer.self_attn.window = window
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta, backend, keep_rows=None):

@@ -74,7 +74,7 @@ class ShapeOnlyAttention:
 
     name = "shape-only"
 
-    def forward(self, query, key, value, k_cache, v_cache, meta, scale):
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale, window=None):
         torch_paged.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         for t in (meta.decode_block_tables, meta.decode_context_lens, meta.prefill_block_tables,
                   meta.prefill_query_start_tensor, meta.prefill_context_lens_tensor):  # fmt: skip

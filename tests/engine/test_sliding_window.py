@@ -1,7 +1,6 @@
-"""A model whose attention keeps a sliding window (Mistral's `sliding_window`) is never run past
-it with full attention: the engine serves sequences no longer than the window, where the window
-holds them whole and full attention gives transformers' answer, and refuses a longer
-max_model_len in words."""
+"""Sliding-window attention: a layer with a window attends to the last `window` positions only,
+as transformers masks it, in every backend, with prefix caching, chunked prefill and
+preemption on; prompts and outputs run well past the window."""
 
 from __future__ import annotations
 
@@ -11,40 +10,78 @@ import pytest
 
 from conveyor.demo_model import write_tiny_model
 from conveyor.engine import LLM, SamplingParams
-from conveyor.engine.loader import attention_window, load_config
+from conveyor.engine.loader import load_config
+from conveyor.engine.models.decoder import layer_windows
 from tests.hf_reference import hf_greedy, random_prompts
 
-WINDOW = 24
-ENGINE = dict(device="cpu", dtype="float32", block_size=8, num_kv_blocks=64)
+WINDOW = 16
+PROMPTS = random_prompts(10, 1, 120, seed=4)
+MAX_TOKENS = [30, 5, 40, 1, 12, 33, 7, 25, 18, 9]
+CONFIGS = {
+    "default": {},
+    "block-8-chunked-prefill": {"block_size": 8, "max_num_batched_tokens": 32},
+    "tiny-pool-preempts": {"block_size": 8, "num_kv_blocks": 24, "max_model_len": 192},
+    "eager-attention": {"attention_backend": "torch"},
+}
 
 
 @pytest.fixture(scope="module")
-def mistral(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("mistral"), "mistral", sliding_window=WINDOW)
+def windowed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Mistral (every layer windowed), Qwen2 with its second layer windowed, Mixtral."""
+    root = tmp_path_factory.mktemp("windowed")
+    return {
+        "mistral": write_tiny_model(root / "mistral", "mistral", sliding_window=WINDOW),
+        "qwen2": write_tiny_model(
+            root / "qwen2",
+            "qwen2",
+            sliding_window=WINDOW,
+            use_sliding_window=True,
+            max_window_layers=1,
+        ),  # fmt: skip
+        "mixtral": write_tiny_model(root / "mixtral", "mixtral", sliding_window=WINDOW),
+    }
 
 
-def test_the_window_is_read_where_the_family_uses_it(tmp_path: Path, mistral: Path) -> None:
-    assert attention_window(load_config(mistral)) == WINDOW
+def test_each_layer_reads_its_window_where_the_family_uses_it(tmp_path, windowed) -> None:
+    assert layer_windows(load_config(windowed["mistral"])) == [WINDOW, WINDOW]
+    assert layer_windows(load_config(windowed["qwen2"])) == [None, WINDOW]
     full = write_tiny_model(tmp_path / "full", "mistral", with_tokenizer=False)
-    assert attention_window(load_config(full)) is None
+    assert layer_windows(load_config(full)) == [None, None]
     # Qwen2 configs carry a sliding_window that only use_sliding_window turns on
     qwen2 = write_tiny_model(tmp_path / "q", "qwen2", with_tokenizer=False, sliding_window=8)
-    assert attention_window(load_config(qwen2)) is None
+    assert layer_windows(load_config(qwen2)) == [None, None]
 
 
-def test_sequences_are_capped_at_the_window_and_match_transformers(mistral: Path) -> None:
-    llm = LLM(str(mistral), **ENGINE)
-    assert llm.max_model_len == WINDOW
-    prompts = random_prompts(3, 6, 12, seed=3)
-    params = SamplingParams(temperature=0, max_tokens=WINDOW, ignore_eos=True)
-    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
-        ids = out.outputs[0].token_ids
-        assert len(prompt) + len(ids) == WINDOW  # stopped at the window, never past it
-        assert out.outputs[0].finish_reason == "length"
-        assert ids == hf_greedy(mistral, prompt, len(ids))
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "mixtral"])
+def test_greedy_past_the_window_matches_transformers(windowed, arch, config) -> None:
+    path = windowed[arch]
+    llm = LLM(str(path), device="cpu", dtype="float32", **CONFIGS[config])
+    assert llm.max_model_len > WINDOW  # no cap at the window
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in MAX_TOKENS]
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, m, out in zip(PROMPTS, MAX_TOKENS, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, m), f"{len(prompt)} tokens"
+    # a prompt that starts with another's cached blocks, past the window
+    shared = [PROMPTS[1][:64] + tail for tail in random_prompts(3, 4, 30, seed=9)]
+    again = llm.generate(shared, SamplingParams(temperature=0, max_tokens=20),
+                         use_tqdm=False)  # fmt: skip
+    for prompt, out in zip(shared, again, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, 20)
+    if config == "tiny-pool-preempts":
+        assert llm.stats().num_preemptions > 0
 
 
-def test_a_max_model_len_past_the_window_is_refused_in_words(mistral: Path) -> None:
-    with pytest.raises(ValueError, match=r"sliding attention window \(24 tokens\)"):
-        LLM(str(mistral), max_model_len=WINDOW * 2, **ENGINE)
-    assert LLM(str(mistral), max_model_len=16, **ENGINE).max_model_len == 16
+def test_the_window_changes_the_answer(windowed, tmp_path) -> None:
+    """The same weights without the window give other tokens past it: the tests above would
+    catch attention that ignored it."""
+    import json
+    import shutil
+
+    full = Path(shutil.copytree(windowed["mistral"], tmp_path / "full"))
+    config = json.loads((full / "config.json").read_text())
+    config["sliding_window"] = None
+    (full / "config.json").write_text(json.dumps(config))
+    long = [p for p in PROMPTS if len(p) > 3 * WINDOW]
+    differ = sum(hf_greedy(full, p, 20) != hf_greedy(windowed["mistral"], p, 20) for p in long)
+    assert differ >= len(long) // 2

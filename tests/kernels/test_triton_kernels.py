@@ -68,14 +68,16 @@ def random_cache(
     return k_cache, v_cache, tables
 
 
-def reference_decode(q, k_cache, v_cache, tables, contexts, scale) -> torch.Tensor:
+def reference_decode(q, k_cache, v_cache, tables, contexts, scale, window=None) -> torch.Tensor:
     out = torch.zeros(q.shape, dtype=torch.float64)
     group = q.shape[1] // k_cache.shape[1]
     for i, n in enumerate(contexts):
         if n == 0:
             continue
-        k = ref.gather_context(k_cache.double(), tables[i], n).repeat_interleave(group, dim=0)
-        v = ref.gather_context(v_cache.double(), tables[i], n).repeat_interleave(group, dim=0)
+        first = 0 if window is None else max(0, n - window)
+        k = ref.gather_context(k_cache.double(), tables[i], n)[:, first:]
+        v = ref.gather_context(v_cache.double(), tables[i], n)[:, first:]
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
         p = (torch.einsum("hd,hnd->hn", q[i].double(), k) * scale).softmax(-1)
         out[i] = torch.einsum("hn,hnd->hd", p, v)
     return out
@@ -185,7 +187,7 @@ def test_the_engine_warm_up_compiles_the_attention_variants(checkpoints, monkeyp
     assert calls == [(llm.runner.model.num_heads, llm.max_model_len)]
 
 
-def reference_prefill(q, k_cache, v_cache, tables, query_start, contexts, scale):
+def reference_prefill(q, k_cache, v_cache, tables, query_start, contexts, scale, window=None):
     out = torch.zeros(q.shape, dtype=torch.float64)
     group = q.shape[1] // k_cache.shape[1]
     for i, n in enumerate(contexts):
@@ -194,6 +196,8 @@ def reference_prefill(q, k_cache, v_cache, tables, query_start, contexts, scale)
         v = ref.gather_context(v_cache.double(), tables[i], n).repeat_interleave(group, dim=0)
         pos = torch.arange(n - (b - a), n)
         mask = torch.arange(n)[None, :] <= pos[:, None]
+        if window is not None:
+            mask &= torch.arange(n)[None, :] > pos[:, None] - window
         s = torch.einsum("qhd,hnd->hqn", q[a:b].double(), k) * scale
         p = s.masked_fill(~mask, float("-inf")).softmax(-1)
         out[a:b] = torch.einsum("hqn,hnd->qhd", p, v)
@@ -210,8 +214,8 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"seed{c[0]}")
-def test_paged_prefill_matches_reference(case):
+def prefill_inputs(case):
+    """A prefill case's queries, caches, tables, query starts, context lengths and scale."""
     seed, kv_heads, group, head_dim, block_size, dtype, shapes = case
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -222,6 +226,13 @@ def test_paged_prefill_matches_reference(case):
         query_start.append(query_start[-1] + q_len)
     q = torch.randn(query_start[-1], kv_heads * group, head_dim).to(dtype)
     scale = head_dim**-0.5
+    return q, k_cache, v_cache, tables, query_start, contexts, scale
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"seed{c[0]}")
+def test_paged_prefill_matches_reference(case):
+    q, k_cache, v_cache, tables, query_start, contexts, scale = prefill_inputs(case)
+    dtype = case[5]
     out = torch.full_like(q, float("nan"))
     tk.paged_prefill_attention(
         q,
@@ -259,6 +270,50 @@ def test_engine_greedy_matches_transformers_through_triton(checkpoints):
     assert_greedy_matches_hf_through(
         checkpoints["qwen3"], "triton", seed=3, device=DEVICE, elementwise="triton"
     )
+
+
+@pytest.mark.parametrize("window", [1, 40, 700])
+@pytest.mark.parametrize("case", DECODE_CASES[:4], ids=lambda c: f"seed{c[0]}")
+def test_paged_decode_honours_a_sliding_window(case, window):
+    """Triton's decode and the torch reference's, over the last `window` tokens only."""
+    seed, batch, kv_heads, group, head_dim, block_size, dtype, splits = case
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    contexts = [1, window, window + 1] + [rng.randint(2, 2000) for _ in range(batch)]
+    k_cache, v_cache, tables = random_cache(rng, contexts, kv_heads, head_dim, block_size, dtype)
+    q = torch.randn(len(contexts), kv_heads * group, head_dim).to(dtype)
+    scale, lens = head_dim**-0.5, torch.tensor(contexts)
+    want = reference_decode(q, k_cache, v_cache, tables, contexts, scale, window)
+    out = torch.full_like(q, float("nan"))
+    tk.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, num_splits=splits,
+                              out=out, window=window)  # fmt: skip
+    assert rel_err(out, want) < TOLERANCE[dtype]
+    eager = ref.decode_attention(q, k_cache, v_cache, tables, lens, scale, window=window)
+    assert rel_err(eager, want) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("window", [1, 24, 100])
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"seed{c[0]}")
+def test_paged_prefill_honours_a_sliding_window(case, window):
+    q, k_cache, v_cache, tables, query_start, contexts, scale = prefill_inputs(case)
+    dtype = case[5]
+    want = reference_prefill(q, k_cache, v_cache, tables, query_start, contexts, scale, window)
+    out = torch.full_like(q, float("nan"))
+    tk.paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor(query_start),
+                               torch.tensor(contexts), scale, out=out, window=window)  # fmt: skip
+    assert rel_err(out, want) < TOLERANCE[dtype]
+    eager = ref.prefill_attention(q, k_cache, v_cache, tables, query_start, contexts, scale,
+                                  window=window)  # fmt: skip
+    assert rel_err(eager, want) < TOLERANCE[dtype]
+
+
+def test_engine_greedy_past_a_sliding_window_matches_transformers_through_triton(tmp_path):
+    """Triton's decode and prefill kernels honour a layer's window (Mistral's, 16 tokens, on
+    prompts of up to 90)."""
+    from conveyor.demo_model import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "mistral", "mistral", sliding_window=16)
+    assert_greedy_matches_hf_through(path, "triton", seed=6, device=DEVICE, elementwise="triton")
 
 
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
