@@ -10,10 +10,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-ARCHITECTURES = (
-    "llama", "mistral", "mixtral", "olmo2", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
-)  # fmt: skip
-
 # a MoE router's weights: spread widely, so that the experts' scores rarely tie and rounding
 # (bfloat16, another summation order) seldom changes which experts a token gets
 ROUTER_INIT_STD = 0.5
@@ -64,65 +60,57 @@ def build_tokenizer(vocab_size: int = 512, texts: Iterable[str] | None = None) -
     return fast
 
 
-def model_config(arch: str, vocab_size: int, **overrides: Any) -> Any:
-    from transformers import (
-        LlamaConfig,
-        MistralConfig,
-        MixtralConfig,
-        Olmo2Config,
-        Phi3Config,
-        Qwen2Config,
-        Qwen2MoeConfig,
-        Qwen3Config,
-        Qwen3MoeConfig,
-    )
+# each family's tiny shape: its transformers config class and what differs from `SIZES`
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32)),
+    "mixtral": ("MixtralConfig", dict(tie_word_embeddings=False, sliding_window=None,
+                                      num_local_experts=4, num_experts_per_tok=2)),
+    "olmo2": ("Olmo2Config", dict(tie_word_embeddings=False, pad_token_id=0, bos_token_id=None,
+                                  eos_token_id=0)),
+    "phi3": ("Phi3Config", dict(tie_word_embeddings=False, sliding_window=None, pad_token_id=0,
+                                bos_token_id=None, eos_token_id=0)),
+    # a local (windowed) layer, then a global one with scaled rope of another base
+    "gemma3": ("Gemma3TextConfig", dict(
+        tie_word_embeddings=True, head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        },
+        final_logit_softcapping=30.0, pad_token_id=0, bos_token_id=None, eos_token_id=0)),
+    # the first layer dense, the second with experts
+    "qwen2_moe": ("Qwen2MoeConfig", dict(
+        tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=96, mlp_only_layers=[0])),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        tie_word_embeddings=True, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True)),
+}  # fmt: skip
+ARCHITECTURES = tuple(sorted(FAMILIES))
 
-    sizes: dict[str, Any] = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-    )
-    if arch == "llama":
-        cls = LlamaConfig
-        sizes.update(tie_word_embeddings=False)
-    elif arch == "mistral":
-        cls = MistralConfig
-        sizes.update(tie_word_embeddings=False, sliding_window=None)
-    elif arch == "qwen2":
-        cls = Qwen2Config
-        sizes.update(tie_word_embeddings=True)
-    elif arch == "qwen3":
-        cls = Qwen3Config
-        sizes.update(tie_word_embeddings=True, head_dim=32)
-    elif arch == "mixtral":
-        cls = MixtralConfig
-        sizes.update(tie_word_embeddings=False, sliding_window=None, num_local_experts=4,
-                     num_experts_per_tok=2)  # fmt: skip
-    elif arch == "olmo2":
-        cls = Olmo2Config
-        sizes.update(tie_word_embeddings=False)
-    elif arch == "phi3":
-        cls = Phi3Config
-        sizes.update(tie_word_embeddings=False, sliding_window=None, pad_token_id=0,
-                     bos_token_id=None, eos_token_id=0)  # fmt: skip
-    elif arch == "qwen2_moe":  # the first layer dense, the second with experts
-        cls = Qwen2MoeConfig
-        sizes.update(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
-                     moe_intermediate_size=32, shared_expert_intermediate_size=96,
-                     mlp_only_layers=[0])  # fmt: skip
-    elif arch == "qwen3_moe":
-        cls = Qwen3MoeConfig
-        sizes.update(tie_word_embeddings=True, head_dim=32, num_experts=8, num_experts_per_tok=2,
-                     moe_intermediate_size=32, norm_topk_prob=True)  # fmt: skip
-    else:
+SIZES: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+)
+
+
+def model_config(arch: str, vocab_size: int, **overrides: Any) -> Any:
+    import transformers
+
+    if arch not in FAMILIES:
         raise ValueError(f"unknown architecture {arch!r}; choose one of {ARCHITECTURES}")
-    sizes.update(overrides)
-    return cls(**sizes)
+    class_name, family = FAMILIES[arch]
+    return getattr(transformers, class_name)(
+        **{**SIZES, "vocab_size": vocab_size, **family, **overrides}
+    )
 
 
 def write_tiny_model(

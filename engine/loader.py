@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,10 +12,17 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from conveyor.engine.models import MODEL_REGISTRY, DecoderForCausalLM
+from conveyor.engine.models import MODEL_REGISTRY, TEXT_OF_MULTIMODAL, DecoderForCausalLM
 from conveyor.engine.models.decoder import PACKED
-from conveyor.engine.models.layers import STATIC_ROPE_TYPES, PackedLinear, rope_parameters
+from conveyor.engine.models.layers import (
+    STATIC_ROPE_TYPES,
+    PackedLinear,
+    rope_parameters,
+    rope_types,
+)
 from conveyor.engine.models.moe import Experts
+
+log = logging.getLogger(__name__)
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 
@@ -40,7 +48,10 @@ def load_config(path: Path):
 
     config = AutoConfig.from_pretrained(path)
     arch = (getattr(config, "architectures", None) or [None])[0]
-    if arch not in MODEL_REGISTRY and getattr(config, "vision_config", None) is not None:
+    if arch in TEXT_OF_MULTIMODAL:
+        config = _language_model_config(config, arch)
+        arch = config.architectures[0]
+    elif arch not in MODEL_REGISTRY and getattr(config, "vision_config", None) is not None:
         raise ValueError(
             f"{arch} in {path / 'config.json'} is a multimodal checkpoint (it has a vision "
             "encoder); this engine serves text-only models: "
@@ -53,6 +64,36 @@ def load_config(path: Path):
         )
     _refuse_what_would_run_wrong(config, path)
     return config
+
+
+def _language_model_config(config, arch: str):
+    """A multimodal checkpoint's language model config, to serve it text-only."""
+    log.warning("%s: serving its language model only; requests with images are not served",
+                arch)  # fmt: skip
+    text = config.text_config
+    text.architectures = [TEXT_OF_MULTIMODAL[arch]]
+    if getattr(text, "dtype", None) is None:
+        text.dtype = getattr(config, "dtype", None)
+    text.language_model_of = arch  # its weights sit under a prefix (see `load_weights`)
+    return text
+
+
+# where a multimodal checkpoint keeps its language model's weights, and what else it holds
+LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+                           "model.language_model.": "model."}  # fmt: skip
+OTHER_MODALITIES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")  # fmt: skip
+
+
+def _language_model_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor name as the language model's, None for another
+    modality's tensor."""
+    if name.startswith(OTHER_MODALITIES):
+        return None
+    for prefix, ours in LANGUAGE_MODEL_PREFIXES.items():
+        if name.startswith(prefix):
+            return ours + name[len(prefix) :]
+    return name
 
 
 def _refuse_what_would_run_wrong(config, path: Path) -> None:
@@ -70,6 +111,14 @@ def _refuse_what_would_run_wrong(config, path: Path) -> None:
             f"{path / 'config.json'} is a quantized checkpoint ({method}); this engine runs "
             "float32, float16 and bfloat16 weights only: use the unquantized model"
         )
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(
+            f"attn_logit_softcapping in {path / 'config.json'}: soft-capped attention scores "
+            "are not implemented"
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(f"use_bidirectional_attention in {path / 'config.json'}: this engine "
+                         "runs causal decoders only")  # fmt: skip
     partial = rope_parameters(config).get("partial_rotary_factor") or getattr(
         config, "partial_rotary_factor", 1.0
     )
@@ -78,8 +127,9 @@ def _refuse_what_would_run_wrong(config, path: Path) -> None:
             f"partial_rotary_factor={partial} in {path / 'config.json'}: rope over part of each "
             "head is not implemented"
         )
-    rope_type = rope_parameters(config).get("rope_type", "default")
-    if rope_type not in STATIC_ROPE_TYPES:
+    for rope_type in rope_types(config):
+        if rope_type in STATIC_ROPE_TYPES:
+            continue
         raise ValueError(
             f"rope type {rope_type!r} in {path / 'config.json'} is not implemented (its "
             f"frequencies change with the sequence's length); supported: "
@@ -108,7 +158,7 @@ def load_model(
     cls = MODEL_REGISTRY[config.architectures[0]]
     with default_dtype(dtype), torch.device(device):
         model = cls(config, max_positions)
-    load_weights(model, path)
+    load_weights(model, path, multimodal=hasattr(config, "language_model_of"))
     model.eval().requires_grad_(False)
     model.prepack()
     return model
@@ -133,16 +183,18 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: DecoderForCausalLM, path: Path) -> None:
-    """Copy every checkpoint tensor into its parameter (or its rows of a packed one)."""
+def load_weights(model: DecoderForCausalLM, path: Path, multimodal: bool = False) -> None:
+    """Copy every checkpoint tensor into its parameter (or its rows of a packed one); of a
+    `multimodal` checkpoint, its language model's."""
     files = checkpoint_files(path)
     params = dict(model.named_parameters())
     expected = _expected_checkpoint_names(model)
     loaded: set[str] = set()
     for file in files:
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if name.endswith("rotary_emb.inv_freq"):
+            for stored in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                name = _language_model_name(stored) if multimodal else stored
+                if name is None or name.endswith("rotary_emb.inv_freq"):
                     continue
                 if name == "lm_head.weight" and model.tie_word_embeddings:
                     continue
@@ -151,7 +203,7 @@ def load_weights(model: DecoderForCausalLM, path: Path) -> None:
                 target, rows = expected[name]
                 param = params[target]
                 dest = param if rows is None else param[rows]
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(stored)
                 if tensor.shape != dest.shape:
                     raise ValueError(
                         f"weight {name!r} has shape {tuple(tensor.shape)}, "

@@ -1,4 +1,5 @@
 from conveyor.engine.models.decoder import DecoderForCausalLM
+from conveyor.engine.models.gemma3 import Gemma3ForCausalLM
 from conveyor.engine.models.llama import LlamaForCausalLM
 from conveyor.engine.models.mixtral import MixtralForCausalLM
 from conveyor.engine.models.olmo2 import Olmo2ForCausalLM
@@ -10,6 +11,7 @@ from conveyor.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 # a checkpoint's `architectures[0]` -> the class that runs it; any other is refused at load
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
@@ -21,4 +23,7 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
-__all__ = ["MODEL_REGISTRY", "DecoderForCausalLM"]
+# a multimodal checkpoint -> its language model's class: served text only (images are refused)
+TEXT_OF_MULTIMODAL: dict[str, str] = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
+__all__ = ["MODEL_REGISTRY", "TEXT_OF_MULTIMODAL", "DecoderForCausalLM"]

@@ -17,6 +17,7 @@ from torch import nn
 from conveyor.engine.models.layers import (
     COMPILED,
     EAGER,
+    GATED_ACTIVATIONS,
     NATIVE,
     TRITON,
     Linear,
@@ -28,6 +29,7 @@ from conveyor.engine.models.layers import (
     RunsActivation,
     apply_rope,
     compiled_apply_rope,
+    per_layer_type_rope,
     triton_layers,
 )
 from conveyor.kernels import AttentionBackend, AttentionMetadata, native_layers
@@ -127,8 +129,14 @@ class Attention(nn.Module):
 
 
 class MLP(RunsActivation, nn.Module):
-    def __init__(self, hidden: int, inter: int, bias: bool):
+    def __init__(self, hidden: int, inter: int, bias: bool, activation: str = "silu"):
         super().__init__()
+        if activation not in GATED_ACTIVATIONS:
+            raise ValueError(
+                f"activation {activation!r} is not implemented; supported: "
+                f"{', '.join(GATED_ACTIVATIONS)}"
+            )
+        self.activation = activation
         self.gate_up_proj = PackedLinear(hidden, {"gate": inter, "up": inter}, bias=bias)
         self.down_proj = Linear(inter, hidden, bias=bias)
 
@@ -138,7 +146,12 @@ class MLP(RunsActivation, nn.Module):
 
 def dense_mlp(config, inter: int | None = None) -> MLP:
     bias = bool(getattr(config, "mlp_bias", False))
-    return MLP(config.hidden_size, inter or config.intermediate_size, bias)
+    return MLP(config.hidden_size, inter or config.intermediate_size, bias, activation_of(config))
+
+
+def activation_of(config) -> str:
+    """The MLP's gate activation as the config names it (Gemma's `hidden_activation` first)."""
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
 
 
 class DecoderLayer(nn.Module):
@@ -168,23 +181,43 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config, family: type[DecoderForCausalLM], qkv_bias: bool, max_positions):
         super().__init__()
-        self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
+        head_dim = head_dim_of(config)
+        # where each layer type has rope of its own (Gemma 3), the sliding layers' is local
+        per_type = per_layer_type_rope(config)
+        self.rotary = RotaryEmbedding(
+            config, head_dim, max_positions, "full_attention" if per_type else None
+        )
+        self.local_rotary = (
+            RotaryEmbedding(config, head_dim, max_positions, "sliding_attention")
+            if per_type
+            else None
+        )
+        types = config.layer_types if per_type else ["full_attention"] * config.num_hidden_layers
+        self.local_rope = [kind == "sliding_attention" for kind in types]
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        scale = family.embed_scale(config)
+        # the model's dtype rounds the scale, as transformers does
+        embed_scale = None if scale is None else torch.tensor(scale)
+        self.register_buffer("embed_scale", embed_scale, persistent=False)
         self.layers = nn.ModuleList(
             family.layer_class(config, family.qk_norm, qkv_bias, family.make_mlp(config, i))
             for i in range(config.num_hidden_layers)
         )
         for layer, window in zip(self.layers, layer_windows(config), strict=True):
             layer.self_attn.window = window
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = family.norm_class(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta, backend, keep_rows=None):
         x, residual = self.embed_tokens(input_ids), None
+        if self.embed_scale is not None:
+            x = x * self.embed_scale.to(x.dtype)
         rope = self.rotary.lookup(positions, x.dtype)
+        local = rope if self.local_rotary is None else self.local_rotary.lookup(positions, x.dtype)
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             keep = keep_rows if i == last else None
-            x, residual = layer(rope, x, residual, kv_cache, meta, backend, keep)
+            layer_rope = local if self.local_rope[i] else rope
+            x, residual = layer(layer_rope, x, residual, kv_cache, meta, backend, keep)
         return self.norm(x, residual)[0]
 
 
@@ -192,6 +225,7 @@ class DecoderForCausalLM(nn.Module):
     qk_norm: str | None = None
     qkv_bias = False
     layer_class: type[nn.Module] = DecoderLayer
+    norm_class: type[nn.Module] = RMSNorm  # the model's last norm
     # our module path -> the checkpoint's, where a family names a module otherwise
     checkpoint_renames: dict[str, str] = {}
     # whether the checkpoint stores q/k/v and gate/up already packed, as we do (Phi-3)
@@ -207,10 +241,17 @@ class DecoderForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.packed_lm_head: PrepackedLinear | None = None  # set by `prepack`
+        # Gemma's tanh soft-capping of the logits, where the config has it
+        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         attn = self.model.layers[0].self_attn
         self.num_layers = config.num_hidden_layers
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.head_dim = attn.head_dim
+
+    @classmethod
+    def embed_scale(cls, config) -> float | None:
+        """What the embeddings are multiplied by (Gemma: the square root of the width)."""
+        return None
 
     @classmethod
     def make_mlp(cls, config, layer_idx: int) -> nn.Module:
@@ -240,8 +281,11 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_lm_head is not None:
-            return self.packed_lm_head(hidden)
-        return self.lm_head(hidden)
+            logits = self.packed_lm_head(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        cap = self.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def use_elementwise(self, impl: str) -> None:
         """Run norms, rope and the activation as `impl` (engine.device_plan chooses): `NATIVE`

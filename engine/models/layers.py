@@ -99,19 +99,30 @@ class RMSNorm(nn.Module):
 
 
 class RunsActivation:
-    """A module whose SiLU(gate) * up runs as its `impl`: `NATIVE` or `TRITON` (fused kernels)
-    or `EAGER` (set by `DecoderForCausalLM.use_elementwise`)."""
+    """A module whose act(gate) * up runs as its `impl`: `NATIVE` or `TRITON` (fused kernels,
+    SiLU only) or `EAGER` (set by `DecoderForCausalLM.use_elementwise`). `activation` is the
+    config's name for act: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma's GeGLU)."""
 
     impl: str = EAGER
+    activation: str = "silu"
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """SiLU(gate) * up for rows of [gate | up]."""
+        """act(gate) * up for rows of [gate | up]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.activation != "silu":  # the fused kernels are SiLU's
+            return GATED_ACTIVATIONS[self.activation](gate) * up
         if self.impl == NATIVE:
             return native_layers.silu_mul(gate_up)
         if self.impl == TRITON:
             return triton_layers().silu_mul(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+# a config's `hidden_act` / `hidden_activation` -> the function, as transformers' ACT2FN has it
+GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+}
 
 
 class Linear(nn.Linear):
@@ -225,9 +236,9 @@ class PrepackedLinear:
 class RotaryEmbedding(nn.Module):
     """RoPE with a precomputed cos/sin table, in the half-rotation layout of HF checkpoints."""
 
-    def __init__(self, config, head_dim: int, max_positions: int):
+    def __init__(self, config, head_dim: int, max_positions: int, layer_type: str | None = None):
         super().__init__()
-        inv_freq, scaling = rope_frequencies(config, head_dim)
+        inv_freq, scaling = rope_frequencies(config, head_dim, layer_type)
         positions = torch.arange(max_positions, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -267,8 +278,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rope_parameters(config) -> dict:
+def rope_parameters(config, layer_type: str | None = None) -> dict:
+    """The config's rope parameters; of `layer_type` where they differ by layer type (Gemma 3:
+    `sliding_attention` and `full_attention`), else of the first type."""
     params = getattr(config, "rope_parameters", None)  # transformers >= 5
+    if per_layer_type_rope(config):
+        return dict(params[layer_type or next(iter(params))])
     if params:
         return dict(params)
     params = dict(getattr(config, "rope_scaling", None) or {})
@@ -282,9 +297,23 @@ def rope_parameters(config) -> dict:
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
+def per_layer_type_rope(config) -> bool:
+    """Whether the config gives each layer type rope parameters of its own (Gemma 3)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return bool(params) and "rope_type" not in params and "rope_theta" not in params
+
+
+def rope_types(config) -> list[str]:
+    """Every rope type the config uses (one per layer type, where they differ)."""
+    kinds = list(config.rope_parameters) if per_layer_type_rope(config) else [None]
+    return [rope_parameters(config, kind).get("rope_type", "default") for kind in kinds]
+
+
+def rope_frequencies(
+    config, head_dim: int, layer_type: str | None = None
+) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and cos/sin scaling, using transformers' own rope_scaling code."""
-    params = rope_parameters(config)
+    params = rope_parameters(config, layer_type)
     rope_type = params.get("rope_type", "default")
     if rope_type not in STATIC_ROPE_TYPES:
         raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
@@ -297,5 +326,9 @@ def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
     # on the device the model is built on (the default one), where the positions are
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.get_default_device())
+    device = torch.get_default_device()
+    if layer_type is not None:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device, layer_type=layer_type)
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
     return inv_freq.float(), float(scaling)

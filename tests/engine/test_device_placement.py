@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
+    Gemma3TextConfig,
     LlamaConfig,
     MixtralConfig,
     Olmo2Config,
@@ -46,6 +47,13 @@ CONFIGS = {
     ),
     "qwen2": Qwen2Config(**SMALL, architectures=["Qwen2ForCausalLM"]),
     "qwen3": Qwen3Config(**SMALL, head_dim=32, architectures=["Qwen3ForCausalLM"]),
+    "gemma3": Gemma3TextConfig(
+        **SMALL,
+        head_dim=32,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        architectures=["Gemma3ForCausalLM"],
+    ),  # fmt: skip
     "olmo2": Olmo2Config(**SMALL, architectures=["Olmo2ForCausalLM"]),
     "phi3": Phi3Config(**SMALL, pad_token_id=0, architectures=["Phi3ForCausalLM"]),
     "mixtral": MixtralConfig(**SMALL, num_local_experts=4, architectures=["MixtralForCausalLM"]),
