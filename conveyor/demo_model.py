@@ -72,6 +72,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                   eos_token_id=0)),
     "phi3": ("Phi3Config", dict(tie_word_embeddings=False, sliding_window=None, pad_token_id=0,
                                 bos_token_id=None, eos_token_id=0)),
+    # a local (windowed) layer, then a global one; a cap low enough to change the scores
+    "gemma2": ("Gemma2Config", dict(
+        tie_word_embeddings=True, head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
+        attn_logit_softcapping=2.0, final_logit_softcapping=30.0, pad_token_id=0,
+        bos_token_id=None, eos_token_id=0)),
     # a local (windowed) layer, then a global one with scaled rope of another base
     "gemma3": ("Gemma3TextConfig", dict(
         tie_word_embeddings=True, head_dim=32, query_pre_attn_scalar=24, sliding_window=16,

@@ -285,7 +285,10 @@ class LLMEngine:
         warm_kernels = getattr(self.runner.backend, "warm_up", None)
         if warm_kernels is not None:
             started = time.perf_counter()
-            warm_kernels(self.runner.kv_caches, self.runner.model.num_heads, self.max_model_len)
+            model = self.runner.model
+            warm_kernels(
+                self.runner.kv_caches, model.num_heads, self.max_model_len, model.attention_softcap
+            )
             log.info("attention kernels compiled in %.1f s", time.perf_counter() - started)
         if self.device.type == "cuda":
             self._record_graphs()

@@ -111,11 +111,6 @@ def _refuse_what_would_run_wrong(config, path: Path) -> None:
             f"{path / 'config.json'} is a quantized checkpoint ({method}); this engine runs "
             "float32, float16 and bfloat16 weights only: use the unquantized model"
         )
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        raise ValueError(
-            f"attn_logit_softcapping in {path / 'config.json'}: soft-capped attention scores "
-            "are not implemented"
-        )
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError(f"use_bidirectional_attention in {path / 'config.json'}: this engine "
                          "runs causal decoders only")  # fmt: skip

@@ -22,8 +22,10 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V into the caches, then attend, each query to the keys at its
-        position and before (the last `window` of them, where the layer has a sliding window);
+        position and before (the last `window` of them, where the layer has a sliding window;
+        each scaled score s as softcap * tanh(s / softcap) where the layer caps them);
         returns [T, heads, head_dim]."""
         ...

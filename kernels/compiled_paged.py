@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 PV_CHUNK = 16
 
 
-def _decode_core(query, k_cache, v_cache, tables, context_lens, first, scale: float):
+def _decode_core(query, k_cache, v_cache, tables, context_lens, first, scale: float, softcap):
     """tables: [B, W] block ids, where columns past a sequence's last block repeat that block
     (so every load is of a real block already in cache; the mask drops those positions);
     first: [B] each sequence's first visible position (0, or where its window starts)."""
@@ -41,6 +41,8 @@ def _decode_core(query, k_cache, v_cache, tables, context_lens, first, scale: fl
     v = v_cache[tables].permute(0, 2, 1, 3, 4)
     q = (query.float() * scale).view(batch, kv_heads, group, 1, 1, head_dim)
     scores = (q * k.float()[:, :, None]).sum(-1)  # [B, kv, g, W, bs]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     positions = torch.arange(width, device=query.device)[:, None] * block_size + torch.arange(
         block_size, device=query.device
     )
@@ -95,6 +97,7 @@ def decode_attention(
     scale: float,
     return_lse: bool = False,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same inputs and results as `torch_paged.decode_attention`."""
     if query.shape[0] == 0:
@@ -105,7 +108,7 @@ def decode_attention(
     parts = split_by_width(num_blocks)
     if parts is None:
         out, lse = _decode(
-            query, k_cache, v_cache, block_tables, context_lens, num_blocks, scale, window
+            query, k_cache, v_cache, block_tables, context_lens, num_blocks, scale, window, softcap
         )
     else:
         out = torch.empty_like(query)
@@ -120,6 +123,7 @@ def decode_attention(
                 num_blocks[rows],
                 scale,
                 window,
+                softcap,
             )
     return (out, lse) if return_lse else out
 
@@ -141,7 +145,9 @@ def split_by_width(num_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return order[: best + 1], order[best + 1 :]
 
 
-def _decode(query, k_cache, v_cache, block_tables, context_lens, num_blocks, scale, window):
+def _decode(
+    query, k_cache, v_cache, block_tables, context_lens, num_blocks, scale, window, softcap
+):
     # one set of guards whatever the caller's grad mode or index dtypes: no recompiles (a
     # split's rows are selected outside, so they are the same kind of tensor as unsplit ones)
     with torch.inference_mode():
@@ -152,7 +158,8 @@ def _decode(query, k_cache, v_cache, block_tables, context_lens, num_blocks, sca
         lens = context_lens.to(torch.int64, copy=True)
         first = torch.zeros_like(lens) if window is None else (lens - window).clamp_(min=0)
         _mark_dynamic(query, k_cache, v_cache, tables, lens, first)
-        return _compiled(query, k_cache, v_cache, tables, lens, first, float(scale))
+        cap = None if softcap is None else float(softcap)
+        return _compiled(query, k_cache, v_cache, tables, lens, first, float(scale), cap)
 
 
 def compiler_missing() -> str | None:

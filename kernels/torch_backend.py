@@ -15,17 +15,25 @@ class TorchPagedAttention:
     decode_attention = staticmethod(torch_paged.decode_attention)
     prefill_attention = staticmethod(torch_paged.prefill_attention)
 
-    def forward(self, query, key, value, k_cache, v_cache, meta, scale, window=None):  # noqa: D102
+    def forward(  # noqa: D102
+        self, query, key, value, k_cache, v_cache, meta, scale, window=None, softcap=None
+    ):
         self.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         plan = meta.cascade
-        if plan is None or window is not None:  # a shared prefix may lie outside the window
-            return self._attend(query, key, value, k_cache, v_cache, meta, scale, False, window)[0]
+        # a shared prefix may lie outside the window; capped scores merge in no cascade
+        if plan is None or window is not None or softcap is not None:
+            return self._attend(
+                query, key, value, k_cache, v_cache, meta, scale, False, window, softcap
+            )[0]
         out, lse = self._attend(query, key, value, k_cache, v_cache, plan.suffix, scale, True)
         for prefix in plan.prefixes:
             cascade.merge_prefix(out, lse, query, k_cache, v_cache, prefix, scale)
         return out
 
-    def _attend(self, query, key, value, k_cache, v_cache, meta, scale, return_lse, window=None):
+    def _attend(
+        self, query, key, value, k_cache, v_cache, meta, scale, return_lse, window=None,
+        softcap=None,
+    ):  # fmt: skip
         """Attention of every query over the cache `meta` describes, and with `return_lse`
         the log-sum-exp of its scores (else None)."""
         d = meta.num_decode_tokens
@@ -41,6 +49,7 @@ class TorchPagedAttention:
                     scale,
                     return_lse=return_lse,
                     window=window,
+                    softcap=softcap,
                 )
             )
         if meta.num_prefills:
@@ -57,6 +66,7 @@ class TorchPagedAttention:
                     value[d:],
                     return_lse=return_lse,
                     window=window,
+                    softcap=softcap,
                 )
             )
         if not return_lse:
@@ -89,26 +99,26 @@ class CompiledPagedAttention(TorchPagedAttention):
 
     def decode_attention(
         self, query, k_cache, v_cache, block_tables, context_lens, scale, return_lse=False,
-        window=None,
+        window=None, softcap=None,
     ):  # fmt: skip
-        # the bfloat16 kernel has no window: a windowed layer's decode runs inductor's
-        if native_paged.covers(query, k_cache) and window is None:
+        # the bfloat16 kernel has no window or cap: such a layer's decode runs inductor's
+        if native_paged.covers(query, k_cache) and window is None and softcap is None:
             return native_paged.decode_attention(
                 query, k_cache, v_cache, block_tables, context_lens, scale, return_lse
             )
         return self.inductor_decode(
-            query, k_cache, v_cache, block_tables, context_lens, scale, return_lse, window
+            query, k_cache, v_cache, block_tables, context_lens, scale, return_lse, window, softcap
         )
 
     def prefill_attention(
         self, query, k_cache, v_cache, block_tables, query_start, context_lens, scale, key=None,
-        value=None, return_lse=False, window=None,
+        value=None, return_lse=False, window=None, softcap=None,
     ):  # fmt: skip
-        if native_paged.covers(query, k_cache) and window is None:
+        if native_paged.covers(query, k_cache) and window is None and softcap is None:
             return native_paged.prefill_attention(
                 query, k_cache, v_cache, block_tables, query_start, context_lens, scale, return_lse
             )
         return torch_paged.prefill_attention(
             query, k_cache, v_cache, block_tables, query_start, context_lens, scale, key, value,
-            return_lse, window,
+            return_lse, window, softcap,
         )  # fmt: skip

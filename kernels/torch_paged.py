@@ -7,7 +7,8 @@ position n of a sequence lives in block `block_table[n // block_size]`, row `n %
 its flat slot number is `block * block_size + n % block_size`.
 
 With a sliding `window` (a layer of Mistral, Qwen2 with `use_sliding_window`, ...) the query at
-position p sees the keys at positions p - window + 1 .. p only, as transformers masks them.
+position p sees the keys at positions p - window + 1 .. p only, as transformers masks them. With
+`softcap` (Gemma 2) each scaled score s becomes softcap * tanh(s / softcap) before the softmax.
 """
 
 from __future__ import annotations
@@ -53,10 +54,11 @@ def decode_attention(
     scale: float,
     return_lse: bool = False,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query over its sequence's cache (its last `window` tokens where the
-    layer has one); with `return_lse` also the log-sum-exp of its scaled scores, [B, heads]
-    float32 (for merging partial attentions)."""
+    layer has one, its scores soft-capped where it has `softcap`); with `return_lse` also the
+    log-sum-exp of its scaled scores, [B, heads] float32 (for merging partial attentions)."""
     batch, heads, head_dim = query.shape
     num_blocks, kv_heads, block_size = k_cache.shape[:3]
     group = heads // kv_heads
@@ -84,7 +86,10 @@ def decode_attention(
         pad = cols >= lens[first:last, None]
         if window is not None:
             pad |= cols < lens[first:last, None] - window
-        scores = scores.float().mul_(scale).masked_fill_(pad[:, None, None, :], float("-inf"))
+        scores = scores.float().mul_(scale)
+        if softcap is not None:
+            scores = soft_cap(scores, softcap)
+        scores = scores.masked_fill_(pad[:, None, None, :], float("-inf"))
         if return_lse:
             lse[first:last] = torch.logsumexp(scores, dim=-1)
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
@@ -112,8 +117,10 @@ def prefill_attention(
     value: torch.Tensor | None = None,
     return_lse: bool = False,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Each chunk's queries over their sequence's cache, causally (and within `window`); with
+    """Each chunk's queries over their sequence's cache, causally (and within `window`, the
+    scores soft-capped where `softcap`); with
     `return_lse` also the log-sum-exp of each query's scaled scores, [T, heads] float32 (CPU
     only)."""
     out = torch.empty_like(query)
@@ -121,17 +128,15 @@ def prefill_attention(
     for i, context_len in enumerate(context_lens):
         start, end = query_start[i], query_start[i + 1]
         n = end - start
-        if key is not None and value is not None and n == context_len and window is None:
+        plain = window is None and softcap is None
+        if key is not None and value is not None and n == context_len and plain:
             # nothing cached before this chunk: attend to its own keys, plain causal
-            q = query[start:end].transpose(0, 1)  # [heads, q_len, d]
-            k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
-            group = q.shape[0] // k.shape[0]
-            if group > 1:  # the fused CPU kernel wants K/V per query head (see _sdpa)
-                k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
-            o, o_lse = _sdpa(q, k, v, None, scale, return_lse)
-            out[start:end] = o.transpose(0, 1)
+            o, o_lse = _own_keys_attention(
+                query[start:end], key[start:end], value[start:end], scale, return_lse
+            )
+            out[start:end] = o
             if return_lse:
-                lse[start:end] = o_lse.transpose(0, 1)
+                lse[start:end] = o_lse
             continue
         k = gather_context(k_cache, block_tables[i], context_len)  # [kv_heads, context, d]
         v = gather_context(v_cache, block_tables[i], context_len)
@@ -147,13 +152,31 @@ def prefill_attention(
         mask = k_pos <= q_pos[:, None]
         if window is not None:
             mask &= k_pos > q_pos[:, None] - window
-        o, o_lse = _sdpa(q, k, v, mask.repeat_interleave(group, 0), scale, return_lse)
+        mask = mask.repeat_interleave(group, 0)
+        if softcap is None:
+            o, o_lse = _sdpa(q, k, v, mask, scale, return_lse)
+        else:
+            o, o_lse = _capped_attention(q, k, v, mask, scale, softcap)
         out[start:end] = (
             o.view(kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, -1, head_dim)
         )
         if return_lse:
             lse[start:end] = o_lse.view(kv_heads, n, group).transpose(0, 1).reshape(n, -1)
     return (out, lse) if return_lse else out
+
+
+def _own_keys_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, return_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chunk with nothing cached before it over its own keys, causally: [n, heads, d] and
+    the log-sum-exp [n, heads] when asked for."""
+    q = query.transpose(0, 1)  # [heads, q_len, d]
+    k, v = key.transpose(0, 1), value.transpose(0, 1)
+    group = q.shape[0] // k.shape[0]
+    if group > 1:  # the fused CPU kernel wants K/V per query head (see _sdpa)
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    o, o_lse = _sdpa(q, k, v, None, scale, return_lse)
+    return o.transpose(0, 1), None if o_lse is None else o_lse.transpose(0, 1)
 
 
 def _sdpa(
@@ -186,6 +209,21 @@ def _sdpa(
     return out[0], lse[0]
 
 
+def soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(scores / cap) * cap
+
+
+def _capped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked attention of q [kv_heads, rows, d] over k, v [kv_heads, n, d] with soft-capped
+    scores (torch's fused kernel has no cap), and the log-sum-exp."""
+    scores = soft_cap(torch.matmul(q, k.transpose(-1, -2)).float() * scale, cap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v), lse
+
+
 def dense_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -194,6 +232,7 @@ def dense_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The plainest correct decode attention: one sequence at a time. For tests."""
     out = torch.empty_like(query)
@@ -204,5 +243,7 @@ def dense_decode_attention(
         group = query.shape[1] // k.shape[0]
         k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
         scores = torch.einsum("hd,hnd->hn", query[i].float(), k) * scale
+        if softcap is not None:
+            scores = soft_cap(scores, softcap)
         out[i] = torch.einsum("hn,hnd->hd", scores.softmax(dim=-1), v).to(query.dtype)
     return out

@@ -15,13 +15,15 @@ class TritonPagedAttention:
 
         self.kernels = triton_paged
 
-    def warm_up(self, kv_caches, heads: int, max_context_len: int) -> None:
+    def warm_up(self, kv_caches, heads: int, max_context_len: int, softcap=None) -> None:
         """Compile the kernels' variants before traffic (the caches of every layer share a
         shape, so the first layer's compiles them all)."""
         k_cache, v_cache = kv_caches[0]
-        self.kernels.warm_up(k_cache, v_cache, heads, max_context_len)
+        self.kernels.warm_up(k_cache, v_cache, heads, max_context_len, softcap)
 
-    def forward(self, query, key, value, k_cache, v_cache, meta, scale, window=None):  # noqa: D102
+    def forward(  # noqa: D102
+        self, query, key, value, k_cache, v_cache, meta, scale, window=None, softcap=None
+    ):
         tk = self.kernels
         tk.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         d = meta.num_decode_tokens
@@ -37,6 +39,7 @@ class TritonPagedAttention:
                 max_context_len=meta.decode_max_context_len or None,
                 out=out[:d],
                 window=window,
+                softcap=softcap,
             )
         if meta.num_prefills:
             query_start, context_lens = (
@@ -57,5 +60,6 @@ class TritonPagedAttention:
                 max_query_len=meta.prefill_max_query_len or None,
                 out=out[d:],
                 window=window,
+                softcap=softcap,
             )
         return out

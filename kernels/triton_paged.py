@@ -120,6 +120,14 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _soft_cap(s, cap):
+    """cap * tanh(s / cap), tanh from one exp of a non-positive number (no overflow)."""
+    x = s / cap
+    t = tl.exp(-2.0 * tl.abs(x))
+    return cap * tl.where(x >= 0, 1.0, -1.0) * (1.0 - t) / (1.0 + t)
+
+
+@triton.jit
 def _online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
     """Fold one tile of scores `s` [rows, tokens] and values `v` into the running max `m_i`,
     sum `l_i` and output `acc` (fp32). A row whose scores are all -inf so far stays empty."""
@@ -141,13 +149,13 @@ NO_WINDOW = 1 << 30  # a window no context reaches: the kernels' "attend to ever
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    part_out_ptr, part_lse_ptr, scale, num_splits, window,
+    part_out_ptr, part_lse_ptr, scale, num_splits, window, softcap,
     stride_qb, stride_qh, stride_tb,
     stride_cb, stride_ch, stride_co,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     G_P2: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr, DIRECT: tl.constexpr,
+    DOT_FP32: tl.constexpr, DIRECT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -182,6 +190,8 @@ def _decode_split_kernel(
             stride_cb, stride_ch, stride_co, BLOCK_SIZE, DOT_FP32,
         )  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if SOFTCAP:
+            s = _soft_cap(s, softcap)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
@@ -258,11 +268,15 @@ def split_counts_to_warm(most: int) -> list[int]:
     return sorted(first.values())
 
 
-def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, max_context_len: int) -> None:
+def warm_up(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, max_context_len: int,
+    softcap: float | None = None,
+) -> None:  # fmt: skip
     """Compile now every variant the decode and prefill kernels can meet with this cache,
     instead of in the middle of live traffic: each split count of `split_counts_to_warm` and
-    block-table widths that are and are not a multiple of 16 (a specialised stride). One query
-    over the cache's first block each; the outputs are thrown away."""
+    block-table widths that are and are not a multiple of 16 (a specialised stride), with the
+    model's score cap where it has one. One query over the cache's first block each; the
+    outputs are thrown away."""
     device, dtype = k_cache.device, k_cache.dtype
     head_dim = k_cache.shape[3]
     most = choose_num_splits(1, 1, max_context_len, _num_sms(device))
@@ -272,8 +286,10 @@ def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, max_contex
     for width in (1, 16):
         tables = torch.zeros((1, width), dtype=torch.long, device=device)
         for splits in split_counts_to_warm(most):
-            paged_decode_attention(query, k_cache, v_cache, tables, one, 1.0, num_splits=splits)
-        paged_prefill_attention(query, k_cache, v_cache, tables, starts, one, 1.0, max_query_len=1)
+            paged_decode_attention(query, k_cache, v_cache, tables, one, 1.0, num_splits=splits,
+                                   softcap=softcap)  # fmt: skip
+        paged_prefill_attention(query, k_cache, v_cache, tables, starts, one, 1.0, max_query_len=1,
+                                softcap=softcap)  # fmt: skip
 
 
 def paged_decode_attention(
@@ -288,8 +304,10 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Attention of each query over its sequence's cache, or over its last `window` tokens."""
+    """Attention of each query over its sequence's cache, or over its last `window` tokens;
+    its scores soft-capped at `softcap` where given."""
     batch, heads, head_dim = query.shape
     kv_heads, block_size = _check_cache(k_cache, v_cache, heads)
     out = torch.empty_like(query) if out is None else out
@@ -313,7 +331,7 @@ def paged_decode_attention(
     with on_device(query.device):
         _decode_split_kernel[(batch, kv_heads, num_splits)](
             query, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, scale,
-            num_splits, NO_WINDOW if window is None else window,
+            num_splits, NO_WINDOW if window is None else window, softcap or 0.0,
             query.stride(0), query.stride(1), block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
@@ -321,7 +339,7 @@ def paged_decode_attention(
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             G_P2=_p2(group, 16), D_P2=_p2(head_dim, 16), BLOCK_N=DECODE_BLOCK_N,
             PRECISION=_precision(query.dtype), DOT_FP32=_dot_fp32(query.dtype), DIRECT=direct,
-            num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
+            SOFTCAP=softcap is not None, num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
         )  # fmt: skip
     if direct:
         return out
@@ -343,12 +361,12 @@ def paged_decode_attention(
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_ptr,
-    context_lens_ptr, scale, window,
+    context_lens_ptr, scale, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_tb,
     stride_cb, stride_ch, stride_co,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     D_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     i = tl.program_id(1)
@@ -388,6 +406,8 @@ def _prefill_kernel(
             stride_cb, stride_ch, stride_co, BLOCK_SIZE, DOT_FP32,
         )  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if SOFTCAP:
+            s = _soft_cap(s, softcap)
         seen = (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(valid[None, :] & seen, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
@@ -409,8 +429,10 @@ def paged_prefill_attention(
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Each chunk's queries over their sequence's cache, causally (and within `window`)."""
+    """Each chunk's queries over their sequence's cache, causally (and within `window`; the
+    scores soft-capped at `softcap` where given)."""
     num_tokens, heads, head_dim = query.shape
     kv_heads, block_size = _check_cache(k_cache, v_cache, heads)
     out = torch.empty_like(query) if out is None else out
@@ -424,12 +446,13 @@ def paged_prefill_attention(
     with on_device(query.device):
         _prefill_kernel[grid](
             query, k_cache, v_cache, out, block_tables, query_start, context_lens, scale,
-            NO_WINDOW if window is None else window,
+            NO_WINDOW if window is None else window, softcap or 0.0,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             D_P2=_p2(head_dim, 16), BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
             PRECISION=_precision(query.dtype), DOT_FP32=_dot_fp32(query.dtype),
+            SOFTCAP=softcap is not None,
         )  # fmt: skip
     return out
 

@@ -11,7 +11,8 @@ from unittest import mock
 import torch
 
 # the families of `checkpoints` (tests/conftest.py)
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "olmo2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "phi3", "mixtral", "qwen2_moe",
+         "qwen3_moe")  # fmt: skip
 
 
 @functools.cache

@@ -1,5 +1,5 @@
 from conveyor.engine.models.decoder import DecoderForCausalLM
-from conveyor.engine.models.gemma3 import Gemma3ForCausalLM
+from conveyor.engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from conveyor.engine.models.llama import LlamaForCausalLM
 from conveyor.engine.models.mixtral import MixtralForCausalLM
 from conveyor.engine.models.olmo2 import Olmo2ForCausalLM
@@ -11,6 +11,7 @@ from conveyor.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 # a checkpoint's `architectures[0]` -> the class that runs it; any other is refused at load
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,

@@ -81,6 +81,8 @@ class Attention(nn.Module):
         )
         o_bias = bool(getattr(config, "attention_bias", False))  # Qwen2 biases q/k/v only
         self.window: int | None = None  # a sliding window, set by the model per layer
+        # Gemma 2's soft cap on the attention scores, where the config has one
+        self.softcap: float | None = getattr(config, "attn_logit_softcapping", None)
         self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
         self.impl = EAGER  # how rope runs (see `DecoderForCausalLM.use_elementwise`)
         self.qk_norm = qk_norm
@@ -109,7 +111,9 @@ class Attention(nn.Module):
             if self.qk_norm == QK_NORM_PER_HEAD:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self._rope(rope, q, k)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
+        out = backend.forward(
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, self.softcap
+        )
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
     def _rope(self, rope: Rope, q: torch.Tensor, k: torch.Tensor):
@@ -241,8 +245,9 @@ class DecoderForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.packed_lm_head: PrepackedLinear | None = None  # set by `prepack`
-        # Gemma's tanh soft-capping of the logits, where the config has it
+        # Gemma's tanh soft-capping of the logits and of the attention scores, where it has them
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
+        self.attention_softcap = getattr(config, "attn_logit_softcapping", None)
         attn = self.model.layers[0].self_attn
         self.num_layers = config.num_hidden_layers
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
+    Gemma2Config,
     Gemma3TextConfig,
     LlamaConfig,
     MixtralConfig,
@@ -47,6 +48,9 @@ CONFIGS = {
     ),
     "qwen2": Qwen2Config(**SMALL, architectures=["Qwen2ForCausalLM"]),
     "qwen3": Qwen3Config(**SMALL, head_dim=32, architectures=["Qwen3ForCausalLM"]),
+    "gemma2": Gemma2Config(
+        **SMALL, head_dim=32, sliding_window=8, architectures=["Gemma2ForCausalLM"]
+    ),
     "gemma3": Gemma3TextConfig(
         **SMALL,
         head_dim=32,
@@ -82,7 +86,7 @@ class ShapeOnlyAttention:
 
     name = "shape-only"
 
-    def forward(self, query, key, value, k_cache, v_cache, meta, scale, window=None):
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale, window=None, softcap=None):
         torch_paged.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         for t in (meta.decode_block_tables, meta.decode_context_lens, meta.prefill_block_tables,
                   meta.prefill_query_start_tensor, meta.prefill_context_lens_tensor):  # fmt: skip

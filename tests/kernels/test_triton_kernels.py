@@ -68,7 +68,9 @@ def random_cache(
     return k_cache, v_cache, tables
 
 
-def reference_decode(q, k_cache, v_cache, tables, contexts, scale, window=None) -> torch.Tensor:
+def reference_decode(
+    q, k_cache, v_cache, tables, contexts, scale, window=None, softcap=None
+) -> torch.Tensor:
     out = torch.zeros(q.shape, dtype=torch.float64)
     group = q.shape[1] // k_cache.shape[1]
     for i, n in enumerate(contexts):
@@ -78,7 +80,8 @@ def reference_decode(q, k_cache, v_cache, tables, contexts, scale, window=None) 
         k = ref.gather_context(k_cache.double(), tables[i], n)[:, first:]
         v = ref.gather_context(v_cache.double(), tables[i], n)[:, first:]
         k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
-        p = (torch.einsum("hd,hnd->hn", q[i].double(), k) * scale).softmax(-1)
+        s = torch.einsum("hd,hnd->hn", q[i].double(), k) * scale
+        p = (s if softcap is None else torch.tanh(s / softcap) * softcap).softmax(-1)
         out[i] = torch.einsum("hn,hnd->hd", p, v)
     return out
 
@@ -180,14 +183,16 @@ def test_the_engine_warm_up_compiles_the_attention_variants(checkpoints, monkeyp
 
     calls = []
     monkeypatch.setattr(
-        tk, "warm_up", lambda kc, vc, heads, longest: calls.append((heads, longest))
+        tk, "warm_up", lambda kc, vc, heads, longest, cap: calls.append((heads, longest, cap))
     )
     llm = LLM(str(checkpoints["qwen3"]), device=DEVICE, attention_backend="triton", dtype="float32")
     llm.warm_up()
-    assert calls == [(llm.runner.model.num_heads, llm.max_model_len)]
+    assert calls == [(llm.runner.model.num_heads, llm.max_model_len, None)]
 
 
-def reference_prefill(q, k_cache, v_cache, tables, query_start, contexts, scale, window=None):
+def reference_prefill(
+    q, k_cache, v_cache, tables, query_start, contexts, scale, window=None, softcap=None
+):
     out = torch.zeros(q.shape, dtype=torch.float64)
     group = q.shape[1] // k_cache.shape[1]
     for i, n in enumerate(contexts):
@@ -199,6 +204,8 @@ def reference_prefill(q, k_cache, v_cache, tables, query_start, contexts, scale,
         if window is not None:
             mask &= torch.arange(n)[None, :] > pos[:, None] - window
         s = torch.einsum("qhd,hnd->hqn", q[a:b].double(), k) * scale
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
         p = s.masked_fill(~mask, float("-inf")).softmax(-1)
         out[a:b] = torch.einsum("hqn,hnd->qhd", p, v)
     return out
@@ -305,6 +312,43 @@ def test_paged_prefill_honours_a_sliding_window(case, window):
     eager = ref.prefill_attention(q, k_cache, v_cache, tables, query_start, contexts, scale,
                                   window=window)  # fmt: skip
     assert rel_err(eager, want) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES[:4], ids=lambda c: f"seed{c[0]}")
+def test_decode_and_prefill_soft_cap_the_scores(case):
+    """Gemma 2's cap (here 0.7, so that it changes every score) in Triton's kernels and the
+    torch reference's, decode and prefill, with and without a window."""
+    seed, batch, kv_heads, group, head_dim, block_size, dtype, splits = case
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    contexts = [1] + [rng.randint(2, 600) for _ in range(batch)]
+    k_cache, v_cache, tables = random_cache(rng, contexts, kv_heads, head_dim, block_size, dtype)
+    q = torch.randn(len(contexts), kv_heads * group, head_dim).to(dtype)
+    scale, lens, cap = head_dim**-0.5, torch.tensor(contexts), 0.7
+    for window in (None, 50):
+        want = reference_decode(q, k_cache, v_cache, tables, contexts, scale, window, cap)
+        out = torch.full_like(q, float("nan"))
+        tk.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, num_splits=splits,
+                                  out=out, window=window, softcap=cap)  # fmt: skip
+        assert rel_err(out, want) < TOLERANCE[dtype]
+        eager = ref.decode_attention(q, k_cache, v_cache, tables, lens, scale, window=window,
+                                     softcap=cap)  # fmt: skip
+        assert rel_err(eager, want) < TOLERANCE[dtype]
+    # prefill: each sequence's last min(len, 9) tokens as its chunk
+    starts = [0]
+    for n in contexts:
+        starts.append(starts[-1] + min(n, 9))
+    pq = torch.randn(starts[-1], kv_heads * group, head_dim).to(dtype)
+    for window in (None, 50):
+        want = reference_prefill(pq, k_cache, v_cache, tables, starts, contexts, scale, window,
+                                 cap)  # fmt: skip
+        out = torch.full_like(pq, float("nan"))
+        tk.paged_prefill_attention(pq, k_cache, v_cache, tables, torch.tensor(starts), lens,
+                                   scale, out=out, window=window, softcap=cap)  # fmt: skip
+        assert rel_err(out, want) < TOLERANCE[dtype]
+        eager = ref.prefill_attention(pq, k_cache, v_cache, tables, starts, contexts, scale,
+                                      window=window, softcap=cap)  # fmt: skip
+        assert rel_err(eager, want) < TOLERANCE[dtype]
 
 
 def test_engine_greedy_past_a_sliding_window_matches_transformers_through_triton(checkpoints):

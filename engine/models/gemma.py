@@ -1,4 +1,5 @@
-"""Gemma 3 (text)."""
+"""Gemma 2 and Gemma 3 (text): the same layer of four (1 + w) norms; Gemma 3 adds per-head q/k
+norms and a rope base of its own for the local layers, Gemma 2 caps the attention scores."""
 
 from __future__ import annotations
 
@@ -25,12 +26,20 @@ class GemmaRMSNorm(RMSNorm):
         return (h * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class Gemma3Attention(Attention):
-    """Attention with Gemma's per-head q/k norms and its scale, `query_pre_attn_scalar`^-1/2."""
+class Gemma2Attention(Attention):
+    """Attention scaled by `query_pre_attn_scalar`^-1/2 (its scores capped where the config
+    has `attn_logit_softcapping`, as `Attention` reads it)."""
 
     def __init__(self, config, qk_norm, qkv_bias):
         super().__init__(config, qk_norm, qkv_bias)
         self.scale = config.query_pre_attn_scalar**-0.5
+
+
+class Gemma3Attention(Gemma2Attention):
+    """Gemma 2's attention with Gemma's (1 + w) norms on each head's queries and keys."""
+
+    def __init__(self, config, qk_norm, qkv_bias):
+        super().__init__(config, qk_norm, qkv_bias)
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
 
@@ -39,13 +48,15 @@ class Gemma3Attention(Attention):
         return fused.norm_rope_(self.q_norm(q), *rope), fused.norm_rope_(self.k_norm(k), *rope)
 
 
-class Gemma3DecoderLayer(nn.Module):
+class GemmaDecoderLayer(nn.Module):
     """Four norms: before and after attention, before and after the MLP, each output norm on
     what the sublayer adds to the residual stream."""
 
+    attention_class: type[Attention] = Gemma2Attention
+
     def __init__(self, config, qk_norm, qkv_bias, mlp):
         super().__init__()
-        self.self_attn = Gemma3Attention(config, qk_norm, qkv_bias)
+        self.self_attn = self.attention_class(config, qk_norm, qkv_bias)
         self.mlp = mlp
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
@@ -65,6 +76,24 @@ class Gemma3DecoderLayer(nn.Module):
             h, stream = h.index_select(0, keep_rows), stream.index_select(0, keep_rows)
         h, stream = self.pre_feedforward_layernorm(h, stream)
         return self.post_feedforward_layernorm(self.mlp(h)), stream
+
+
+class Gemma3DecoderLayer(GemmaDecoderLayer):
+    attention_class = Gemma3Attention
+
+
+class Gemma2ForCausalLM(DecoderForCausalLM):
+    """Gemma 2: sliding-window layers between global ones (`layer_types`), attention scaled by
+    `query_pre_attn_scalar` with its scores soft-capped (`attn_logit_softcapping`), (1 + w)
+    RMSNorms before and after each sublayer, embeddings scaled by the square root of the
+    width, GeGLU (tanh), and the logits soft-capped (`final_logit_softcapping`)."""
+
+    layer_class = GemmaDecoderLayer
+    norm_class = GemmaRMSNorm
+
+    @classmethod
+    def embed_scale(cls, config) -> float:
+        return config.hidden_size**0.5
 
 
 class Gemma3ForCausalLM(DecoderForCausalLM):
