@@ -252,6 +252,9 @@ class Worker(BaseModel):
     kv_cache_usage: float | None = Field(
         default=None, description="fraction of KV-cache blocks in use, 0..1"
     )
+    kv_bytes_per_token: int | None = Field(
+        default=None, description="KV-cache bytes one token of context takes, all layers"
+    )
     prefix_cache_hit_rate: float | None = Field(
         default=None, description="fraction of prompt tokens served from the prefix cache"
     )

@@ -62,6 +62,7 @@ def _worker(row: WorkerRow, running_shards: int) -> schemas.Worker:
         waiting_requests=_count(stats, "num_waiting"),
         in_flight_requests=_count(stats, "in_flight"),
         kv_cache_usage=_ratio(_number(stats, "kv_blocks_used"), _number(stats, "kv_blocks_total")),
+        kv_bytes_per_token=_count(stats, "kv_bytes_per_token") or None,
         prefix_cache_hit_rate=_ratio(cached, prompt),
         generation_tokens=_count(stats, "generation_tokens"),
         preemptions=_count(stats, "num_preemptions"),

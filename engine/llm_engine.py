@@ -68,6 +68,7 @@ class EngineStats:
     num_steps: int
     kv_blocks_saved: int = 0  # prompt blocks shared from the prefix cache instead of computed
     num_deferred: int = 0  # admissions put off to reuse a prefix being computed
+    kv_bytes_per_token: int = 0  # what one token of context holds in the KV cache, all layers
 
     @property
     def prompt_tokens_total(self) -> int:
@@ -99,6 +100,7 @@ class LLMEngine:
         log.info("engine plan: %s", self.plan.describe())
         net.use_elementwise(self.plan.elementwise)
         num_kv_blocks = self._num_kv_blocks(net, backend)
+        self.kv_bytes_per_token = ModelRunner.bytes_per_block(net, 1, self.dtype)
         self.max_model_len = self._max_model_len(num_kv_blocks)
         self.block_size = config.block_size
 
@@ -391,6 +393,7 @@ class LLMEngine:
         return EngineStats(
             kv_blocks_total=bm.num_blocks,
             kv_blocks_used=bm.num_blocks - bm.num_free_blocks,
+            kv_bytes_per_token=self.kv_bytes_per_token,
             kv_blocks_cached=len(bm.cached),
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),

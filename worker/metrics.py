@@ -50,6 +50,9 @@ class EngineCollector(Collector):
              get("num_waiting")),
             ("conveyor:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
              used / total if total else 0.0),
+            ("conveyor:kv_cache_bytes_per_token",
+             "KV cache bytes one token of context takes, all layers.",
+             get("kv_bytes_per_token")),
         ]  # fmt: skip
         counters = [
             ("conveyor:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",

@@ -134,7 +134,8 @@ def test_throughput_counts_results_per_interval(ledger: Ledger) -> None:
 def test_live_workers_show_their_engine_state(ledger: Ledger) -> None:
     engine = {"num_running": 5, "num_waiting": 2, "in_flight": 7, "kv_blocks_total": 400,
               "kv_blocks_used": 100, "prompt_tokens_computed": 300, "prompt_tokens_cached": 100,
-              "generation_tokens": 900, "num_preemptions": 1, "device": "cuda:0"}  # fmt: skip
+              "generation_tokens": 900, "num_preemptions": 1, "device": "cuda:0",
+              "kv_bytes_per_token": 114688}  # fmt: skip
     with ledger.session() as session:
         add_worker(session, "gpu-1", "qwen3", seen_ago=1, stats=engine)
         add_worker(session, "echo-1", "echo", seen_ago=1, stats={"generation_tokens": 3})
@@ -150,8 +151,10 @@ def test_live_workers_show_their_engine_state(ledger: Ledger) -> None:
     assert gpu.in_flight_requests == 7
     assert (gpu.kv_cache_usage, gpu.prefix_cache_hit_rate, gpu.running_shards) == (0.25, 0.25, 2)
     assert gpu.generation_tokens == 900 and gpu.preemptions == 1
+    assert gpu.kv_bytes_per_token == 114688
     echo = workers["echo-1"]  # a null engine has no KV cache, no prefix cache, no shards now
     assert (echo.device, echo.kv_cache_usage, echo.prefix_cache_hit_rate) == (None, None, None)
+    assert echo.kv_bytes_per_token is None
     assert (echo.running_requests, echo.generation_tokens, echo.running_shards) == (None, 3, 0)
 
 

@@ -99,3 +99,13 @@ def test_command_line_flags_make_the_config(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("CONVEYOR_NO_PREFIX_CACHING", "true")
     worker = engine_config(build_parser().parse_args(["worker", "--model", "m"]))
     assert worker == EngineConfig(max_num_seqs=4, enable_prefix_caching=False)
+
+
+def test_the_engine_reports_what_a_token_of_context_takes(checkpoints):
+    """K and V, every layer, every KV head: what capacity planning divides the cache by."""
+    from conveyor.engine import LLM
+
+    llm = LLM(str(checkpoints["qwen3"]), device="cpu", dtype="bfloat16")
+    model = llm.runner.model
+    want = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 2
+    assert llm.stats().kv_bytes_per_token == want == 2 * 2 * 2 * 32 * 2

@@ -56,6 +56,10 @@ def test_worker_and_api_metrics_after_a_shared_prefix_batch(
     assert after["conveyor:num_requests_running"][label] == 0
     assert after["conveyor:num_requests_waiting"][label] == 0
     assert 0 <= after["conveyor:kv_cache_usage_perc"][label] <= 1
+    # the tiny Llama: K and V of 2 layers x 2 KV heads x 16 dims, in float32 or bfloat16 (the
+    # CPU decides)
+    per_token = after["conveyor:kv_cache_bytes_per_token"][label]
+    assert per_token in (2 * 2 * 2 * 16 * 4, 2 * 2 * 2 * 16 * 2)
     assert after["conveyor:num_preemptions_total"][label] == 0
     for name in (
         "conveyor:time_to_first_token_seconds",
