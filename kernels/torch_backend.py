@@ -3,9 +3,13 @@ attention compiled by torch.compile."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from conveyor.kernels import cascade, native_paged, torch_paged
+
+log = logging.getLogger(__name__)
 
 
 class TorchPagedAttention:
@@ -90,6 +94,18 @@ class CompiledPagedAttention(TorchPagedAttention):
         if problem := compiled_paged.compiler_missing():
             raise ValueError(f"attention_backend='compiled' needs inductor's C++ build: {problem}")
         self.inductor_decode = compiled_paged.decode_attention
+        self.told = False
+
+    def _native(self, window, softcap) -> bool:
+        """Whether a layer's attention can run the bfloat16 kernel: not with a sliding window
+        or capped scores, which it does not implement (said once)."""
+        if window is None and softcap is None:
+            return True
+        if not self.told:
+            self.told = True
+            log.info("layers with a sliding window or capped attention scores run the compiled "
+                     "attention: the bfloat16 kernel implements neither")  # fmt: skip
+        return False
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping):
         if native_paged.covers(key, k_cache):
@@ -102,7 +118,7 @@ class CompiledPagedAttention(TorchPagedAttention):
         window=None, softcap=None,
     ):  # fmt: skip
         # the bfloat16 kernel has no window or cap: such a layer's decode runs inductor's
-        if native_paged.covers(query, k_cache) and window is None and softcap is None:
+        if native_paged.covers(query, k_cache) and self._native(window, softcap):
             return native_paged.decode_attention(
                 query, k_cache, v_cache, block_tables, context_lens, scale, return_lse
             )
@@ -114,7 +130,7 @@ class CompiledPagedAttention(TorchPagedAttention):
         self, query, k_cache, v_cache, block_tables, query_start, context_lens, scale, key=None,
         value=None, return_lse=False, window=None, softcap=None,
     ):  # fmt: skip
-        if native_paged.covers(query, k_cache) and window is None and softcap is None:
+        if native_paged.covers(query, k_cache) and self._native(window, softcap):
             return native_paged.prefill_attention(
                 query, k_cache, v_cache, block_tables, query_start, context_lens, scale, return_lse
             )

@@ -95,6 +95,27 @@ def test_bfloat16_through_our_kernels_agrees_with_transformers(tmp_path, hf_bf16
     assert calls == {"decode_attention", "rms_norm", "rope", "silu_mul"}
 
 
+def test_windowed_layers_leave_the_bfloat16_kernel_and_agree(tmp_path, hf_bf16, caplog):
+    """The bfloat16 attention kernel has no sliding window: a windowed layer runs the compiled
+    attention, says so, and stays within the tolerance of transformers past the window."""
+    import logging
+
+    from conveyor.demo_model import write_tiny_model
+    from conveyor.kernels import native_paged
+
+    if not cpu_build.cpu_has_avx512_bf16():
+        pytest.skip("this CPU has no AVX512-BF16, so the kernel does not run")
+    path = write_tiny_model(
+        tmp_path / "mistral64", "mistral", hidden_size=128, num_attention_heads=2,
+        num_key_value_heads=1, sliding_window=16,
+    )  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="conveyor.kernels.torch_backend"):
+        check_against_transformers(path, hf_bf16(path), "mistral, window 16, head size 64")
+    assert "the bfloat16 kernel implements neither" in caplog.text
+    assert native_paged.covers(torch.zeros(1, 2, 64, dtype=torch.bfloat16),
+                               torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16))  # fmt: skip
+
+
 def check_against_transformers(
     path, model, label: str, flips_per_100: int = 0, tolerance: float = LOGPROB_TOLERANCE
 ) -> None:
