@@ -135,12 +135,7 @@ class Attention(nn.Module):
 class MLP(RunsActivation, nn.Module):
     def __init__(self, hidden: int, inter: int, bias: bool, activation: str = "silu"):
         super().__init__()
-        if activation not in GATED_ACTIVATIONS:
-            raise ValueError(
-                f"activation {activation!r} is not implemented; supported: "
-                f"{', '.join(GATED_ACTIVATIONS)}"
-            )
-        self.activation = activation
+        self.activation = checked_activation(activation)
         self.gate_up_proj = PackedLinear(hidden, {"gate": inter, "up": inter}, bias=bias)
         self.down_proj = Linear(inter, hidden, bias=bias)
 
@@ -155,7 +150,16 @@ def dense_mlp(config, inter: int | None = None) -> MLP:
 
 def activation_of(config) -> str:
     """The MLP's gate activation as the config names it (Gemma's `hidden_activation` first)."""
-    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    return checked_activation(name)
+
+
+def checked_activation(name: str) -> str:
+    if name not in GATED_ACTIVATIONS:
+        raise ValueError(
+            f"activation {name!r} is not implemented; supported: {', '.join(GATED_ACTIVATIONS)}"
+        )
+    return name
 
 
 class DecoderLayer(nn.Module):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.engine.models.decoder import MLP, dense_mlp
+from conveyor.engine.models.decoder import MLP, activation_of, dense_mlp
 from conveyor.engine.models.layers import TRITON, Linear, RunsActivation
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,9 @@ def _tell_once(reason: str) -> None:
 
 
 class Experts(RunsActivation, nn.Module):
-    """`num_experts` SwiGLU MLPs as two stacked weights: `gate_up` [E, 2·inter, hidden] (each
-    expert's gate rows, then its up rows) and `down` [E, hidden, inter]."""
+    """`num_experts` gated MLPs (SwiGLU unless `activation` says otherwise) as two stacked
+    weights: `gate_up` [E, 2·inter, hidden] (each expert's gate rows, then its up rows) and
+    `down` [E, hidden, inter]."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, names=EXPERT_NAMES):
         super().__init__()
@@ -146,7 +147,12 @@ class SparseMoe(nn.Module):
         self.float_weights = float_weights
         self.gate = Linear(hidden, num_experts, bias=False)
         self.experts = Experts(num_experts, hidden, inter, names)
-        self.shared_expert = MLP(hidden, shared_inter, bias=False) if shared_inter else None
+        self.experts.activation = activation_of(config)
+        self.shared_expert = (
+            MLP(hidden, shared_inter, bias=False, activation=activation_of(config))
+            if shared_inter
+            else None
+        )
         self.shared_expert_gate = Linear(hidden, 1, bias=False) if shared_inter else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -119,3 +119,14 @@ def test_a_missing_expert_weight_is_named(checkpoints, tmp_path):
     save_file(weights, path / "model.safetensors")
     with pytest.raises(ValueError, match=f"lacks weights: {name}"):
         LLM(str(path), dtype="float32", device="cpu")
+
+
+def test_an_activation_the_experts_do_not_implement_is_refused(checkpoints, tmp_path):
+    import json
+
+    path = shutil.copytree(checkpoints["qwen3_moe"], tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    config["hidden_act"] = "relu2"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="activation 'relu2' is not implemented"):
+        LLM(str(path), dtype="float32", device="cpu")
