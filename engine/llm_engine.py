@@ -17,7 +17,7 @@ from conveyor.engine.block_manager import BlockManager
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.cpu_memory import reuse_large_allocations
 from conveyor.engine.cuda_graphs import cuda_capture
-from conveyor.engine.device_plan import plan_device
+from conveyor.engine.device_plan import DevicePlan, plan_device
 from conveyor.engine.dtypes import resolve_dtype
 from conveyor.engine.errors import (
     ContextLengthError,
@@ -89,15 +89,7 @@ class LLMEngine:
             reuse_large_allocations()
         net = self._load_model(model)
         backend = get_attention_backend(config.attention_backend, self.device)
-        # the native activation covers a width that is a multiple of 16: it covers every
-        # width of the model (dense and expert MLPs) when it covers their common divisor
-        intermediate = math.gcd(*net.activation_widths())
-        self.plan = plan_device(
-            self.device, self.dtype, backend.name, elementwise=config.elementwise,
-            hidden=net.model.embed_tokens.weight.shape[1], head_dim=net.head_dim,
-            intermediate=intermediate,
-        )  # fmt: skip
-        log.info("engine plan: %s", self.plan.describe())
+        self.plan = self._plan(net, backend)
         net.use_elementwise(self.plan.elementwise)
         num_kv_blocks = self._num_kv_blocks(net, backend)
         self.kv_bytes_per_token = ModelRunner.bytes_per_block(net, 1, self.dtype)
@@ -158,6 +150,19 @@ class LLMEngine:
             )
         self.model_len_limit = max_positions
         return load_model(path, hf_config, self.dtype, self.device, max_positions)
+
+    def _plan(self, net: DecoderForCausalLM, backend: AttentionBackend) -> DevicePlan:
+        """How each piece of the model runs on this device, logged once."""
+        # the native activation covers a width that is a multiple of 16: it covers every
+        # width of the model (dense and expert MLPs) when it covers their common divisor
+        intermediate = math.gcd(*net.activation_widths())
+        plan = plan_device(
+            self.device, self.dtype, backend.name, elementwise=self.engine_config.elementwise,
+            hidden=net.model.embed_tokens.weight.shape[1], head_dim=net.head_dim,
+            intermediate=intermediate,
+        )  # fmt: skip
+        log.info("engine plan: %s", plan.describe())
+        return plan
 
     def _num_kv_blocks(self, net: DecoderForCausalLM, backend: AttentionBackend) -> int:
         """The configured number of KV cache blocks, else as many as the memory budget holds."""
