@@ -25,6 +25,11 @@ class Block:
     logprobs: BlockLogprobs | None = None  # its prompt logprobs, kept while its key is
 
 
+# the root of the keys of a sequence on LongRoPE's long factors: its KV is not that of a
+# sequence with the same tokens on the short ones
+LONG_ROPE_ROOT = b"longrope:long"
+
+
 def block_key(parent: bytes | None, tokens: Seq[int]) -> bytes:
     digest = hashlib.blake2b(parent or b"", digest_size=16)
     digest.update(array("q", tokens).tobytes())
@@ -93,7 +98,8 @@ class BlockManager:
         while len(keys) < num_blocks:
             i = len(keys)
             tokens = seq.token_ids[i * size : (i + 1) * size]
-            keys.append(block_key(keys[-1] if keys else None, tokens))
+            root = LONG_ROPE_ROOT if seq.rope_long else None
+            keys.append(block_key(keys[-1] if keys else root, tokens))
         return keys[:num_blocks]
 
     def match_prefix(self, seq: Sequence) -> list[int]:

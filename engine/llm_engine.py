@@ -273,6 +273,8 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             request.prompt_entries = [None]
         seq = Sequence(request, 0, list(token_ids), len(token_ids), self._generator(params, 0))
+        long_rope = self.runner.model.long_rope
+        seq.rope_long = long_rope is not None and long_rope.is_long(len(token_ids))
         request.seqs.append(seq)
         self.requests[request_id] = request
         if params.structured_outputs is None:
@@ -567,6 +569,7 @@ class LLMEngine:
                         outputs.append(self.output_processor.request_output(request))
                         del self.requests[request.request_id]
                         continue
+                self._switch_to_long_rope(seq)
                 if request.stream:
                     streamed[request.request_id] = request
             except Exception as err:
@@ -579,6 +582,16 @@ class LLMEngine:
                 except Exception as err:
                     outputs.append(self._fail_request(request, err))
         return outputs
+
+    def _switch_to_long_rope(self, seq: Sequence) -> None:
+        """A sequence that grows past LongRoPE's original length computes its KV again, all of
+        it on the long factors, as transformers' `generate` does."""
+        long_rope = self.runner.model.long_rope
+        if long_rope is None or seq.rope_long or not long_rope.is_long(seq.num_tokens):
+            return
+        self.scheduler.recompute(seq)
+        seq.rope_long = True
+        seq.block_keys = []  # its keys are rooted elsewhere now
 
     def _fail_request(self, request: Request, err: Exception) -> RequestOutput:
         """End `request` on an error of its own: free its sequences, report what it had."""
@@ -601,6 +614,7 @@ class LLMEngine:
                 parent.num_prompt_tokens,
                 self._generator(request.params, index),
             )
+            child.rope_long = parent.rope_long
             child.matcher = self._matcher(request)
             self.block_manager.fork(parent, child)
             self.scheduler.add_running(child)

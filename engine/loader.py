@@ -13,12 +13,13 @@ import torch
 from safetensors import safe_open
 
 from conveyor.engine.models import MODEL_REGISTRY, TEXT_OF_MULTIMODAL, DecoderForCausalLM
-from conveyor.engine.models.decoder import PACKED
+from conveyor.engine.models.decoder import PACKED, head_dim_of
 from conveyor.engine.models.layers import (
-    STATIC_ROPE_TYPES,
+    ROPE_TYPES,
     PackedLinear,
-    rope_parameters,
+    per_layer_type_rope,
     rope_types,
+    rotary_dim,
 )
 from conveyor.engine.models.moe import Experts
 
@@ -114,22 +115,24 @@ def _refuse_what_would_run_wrong(config, path: Path) -> None:
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError(f"use_bidirectional_attention in {path / 'config.json'}: this engine "
                          "runs causal decoders only")  # fmt: skip
-    partial = rope_parameters(config).get("partial_rotary_factor") or getattr(
-        config, "partial_rotary_factor", 1.0
-    )
-    if partial != 1.0:
+    turned = rotary_dim(config, head_dim_of(config))
+    if turned < 2 or turned % 2:
         raise ValueError(
-            f"partial_rotary_factor={partial} in {path / 'config.json'}: rope over part of each "
-            "head is not implemented"
+            f"partial_rotary_factor in {path / 'config.json'} leaves {turned} of each head's "
+            f"{head_dim_of(config)} channels to rope: it needs an even number, at least 2"
         )
     for rope_type in rope_types(config):
-        if rope_type in STATIC_ROPE_TYPES:
-            continue
-        raise ValueError(
-            f"rope type {rope_type!r} in {path / 'config.json'} is not implemented (its "
-            f"frequencies change with the sequence's length); supported: "
-            f"{', '.join(STATIC_ROPE_TYPES)}"
-        )
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"rope type {rope_type!r} in {path / 'config.json'} is not implemented (its "
+                f"frequencies change with the sequence's length); supported: "
+                f"{', '.join(ROPE_TYPES)}"
+            )
+        if rope_type == "longrope" and per_layer_type_rope(config):
+            raise ValueError(
+                f"{path / 'config.json'} gives its layer types rope of their own, LongRoPE "
+                "among them: LongRoPE is implemented for models with one rope"
+            )
 
 
 def config_dtype(config) -> torch.dtype:

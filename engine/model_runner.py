@@ -8,6 +8,7 @@ import torch
 
 from conveyor.engine.cuda_graphs import Capture, DecodeGraphs, buckets_for
 from conveyor.engine.models import DecoderForCausalLM
+from conveyor.engine.models.layers import LongRope
 from conveyor.engine.scheduler import ScheduledSeq
 from conveyor.engine.sequence import Sequence
 from conveyor.kernels import AttentionBackend, AttentionMetadata
@@ -115,7 +116,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq], prompt_logprob_seqs: set[int]) -> ForwardResult:
         """One forward pass; `scheduled` must list decodes (one new token) before prefills."""
-        step = StepLayout.of(scheduled, prompt_logprob_seqs, self.block_size)
+        step = StepLayout.of(scheduled, prompt_logprob_seqs, self.block_size, self.model.long_rope)
         dev = self.device
         kept = step.output_rows()
         at = {row: i for i, row in enumerate(kept or range(len(step.input_ids)))}
@@ -167,7 +168,7 @@ class StepLayout:
     """Where each scheduled sequence's tokens sit in one step's flat batch."""
 
     input_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # rows of the rope table (`LongRope`)
     slots: list[int] = field(default_factory=list)  # KV cache slot of each token
     sample_rows: list[int] = field(default_factory=list)  # rows whose logits are sampled
     # seq_id -> (first position, row start, row end) of the rows predicting prompt tokens
@@ -178,7 +179,11 @@ class StepLayout:
 
     @classmethod
     def of(
-        cls, scheduled: list[ScheduledSeq], prompt_logprob_seqs: set[int], block_size: int
+        cls,
+        scheduled: list[ScheduledSeq],
+        prompt_logprob_seqs: set[int],
+        block_size: int,
+        long_rope: LongRope | None = None,
     ) -> StepLayout:
         step, bs = cls(), block_size
         tables = step.tables
@@ -187,13 +192,17 @@ class StepLayout:
             start = seq.num_computed_tokens
             row = len(step.input_ids)
             table = seq.block_table
+            if long_rope is not None:
+                step.positions.extend(long_rope.rows(start, n, seq.rope_long))
+            elif n == 1:
+                step.positions.append(start)
+            else:
+                step.positions.extend(range(start, start + n))
             if n == 1:  # a decode: the common case, without slices and generators
                 step.input_ids.append(seq.token_ids[start])
-                step.positions.append(start)
                 step.slots.append(table[start // bs] * bs + start % bs)
             else:
                 step.input_ids.extend(seq.token_ids[start : start + n])
-                step.positions.extend(range(start, start + n))
                 step.slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if n == 1 and not tables.prefill_lens:
                 tables.decode_tables.append(table)

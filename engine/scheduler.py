@@ -217,12 +217,21 @@ class Scheduler:
         self.counters.prompt_tokens_computed += max(0, prompt_part - seq.num_computed_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
+        self._requeue(seq)
+        self.counters.num_preemptions += 1
+
+    def recompute(self, seq: Sequence) -> None:
+        """Drop the KV of running `seq` to compute it again from its first token (LongRoPE's
+        switch of factors); it goes first in line, as a preempted sequence does."""
+        self.running.remove(seq)
+        self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.arrival_time = float("-inf")  # overdue at once: first in line to come back
         self.waiting.appendleft(seq)
         self.waiting_priorities[seq.request.priority] += 1
-        self.counters.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
         """Retire a finished or aborted sequence and free its blocks."""

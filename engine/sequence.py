@@ -46,6 +46,7 @@ class Sequence:
     arrival_time: float = 0.0  # when it (last) joined the waiting queue, scheduler clock
     matcher: Any = None  # its structured output's grammar state, if the request has one
     prompt_token_set: torch.Tensor | None = None  # distinct prompt ids (repetition penalty)
+    rope_long: bool = False  # computed with LongRoPE's long factors (`layers.LongRope`)
 
     @property
     def num_tokens(self) -> int:

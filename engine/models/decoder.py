@@ -21,6 +21,7 @@ from conveyor.engine.models.layers import (
     NATIVE,
     TRITON,
     Linear,
+    LongRope,
     PackedLinear,
     PrepackedLinear,
     RMSNorm,
@@ -30,6 +31,7 @@ from conveyor.engine.models.layers import (
     apply_rope,
     compiled_apply_rope,
     per_layer_type_rope,
+    rotary_dim,
     triton_layers,
 )
 from conveyor.kernels import AttentionBackend, AttentionMetadata, native_layers
@@ -74,6 +76,7 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim_of(config)
+        self.rotary_dim = rotary_dim(config, self.head_dim)  # the rest pass rope unchanged
         self.scale = self.head_dim**-0.5
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = PackedLinear(
@@ -105,7 +108,7 @@ class Attention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.impl == TRITON:
+        if self.impl == TRITON and self.rotary_dim == self.head_dim:
             q, k = self._norm_rope_in_place(rope, q, k)
         else:
             if self.qk_norm == QK_NORM_PER_HEAD:
@@ -117,9 +120,19 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
     def _rope(self, rope: Rope, q: torch.Tensor, k: torch.Tensor):
+        if self.rotary_dim < self.head_dim:
+            return self._partial_rope(rope, q, k)
         if self.impl == NATIVE:
             return native_layers.rope(*rope, q, k)
         return (compiled_apply_rope() if self.impl == COMPILED else apply_rope)(rope, q, k)
+
+    def _partial_rope(self, rope: Rope, q: torch.Tensor, k: torch.Tensor):
+        """Rope over each head's first `rotary_dim` channels (the native and Triton kernels
+        turn whole heads, so beside them this runs eager)."""
+        d = self.rotary_dim
+        turn = compiled_apply_rope() if self.impl == COMPILED else apply_rope
+        q_rot, k_rot = turn(rope, q[..., :d], k[..., :d])
+        return torch.cat((q_rot, q[..., d:]), -1), torch.cat((k_rot, k[..., d:]), -1)
 
     def _norm_rope_in_place(self, rope: Rope, q: torch.Tensor, k: torch.Tensor):
         """The q/k norms and rope, one kernel each for q and k, written over the q and k
@@ -256,6 +269,7 @@ class DecoderForCausalLM(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.head_dim = attn.head_dim
+        self.long_rope: LongRope | None = self.model.rotary.long_rope  # LongRoPE's, if used
 
     @classmethod
     def embed_scale(cls, config) -> float | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch._dynamo
@@ -234,22 +235,53 @@ class PrepackedLinear:
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE with a precomputed cos/sin table, in the half-rotation layout of HF checkpoints."""
+    """RoPE with a precomputed cos/sin table, in the half-rotation layout of HF checkpoints,
+    over the first `rotary_dim` channels of each head. With LongRoPE the table holds the short
+    factors' rows, then as many rows of the long factors', and `long_rope` says which a token
+    reads."""
 
     def __init__(self, config, head_dim: int, max_positions: int, layer_type: str | None = None):
         super().__init__()
         inv_freq, scaling = rope_frequencies(config, head_dim, layer_type)
+        tables = [inv_freq]
+        self.long_rope: LongRope | None = None
+        if rope_parameters(config, layer_type).get("rope_type") == "longrope":
+            tables.append(long_rope_frequencies(config))
+            original = rope_parameters(config)["original_max_position_embeddings"]
+            self.long_rope = LongRope(int(original), max_positions)
         positions = torch.arange(max_positions, dtype=torch.float)
-        freqs = positions[:, None] * inv_freq[None, :]
+        freqs = torch.cat([positions[:, None] * table[None, :] for table in tables])
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
-        """cos/sin rows for `positions`, shaped to broadcast over heads: [T, 1, head_dim]."""
+        """cos/sin rows for `positions` (rows of the table: see `LongRope`), shaped to
+        broadcast over heads: [T, 1, rotary_dim]."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(
             dtype
         )
+
+
+@dataclass(frozen=True)
+class LongRope:
+    """Which of LongRoPE's two sets of factors a sequence's rope uses, as transformers chooses:
+    the short ones while the sequence is at most `original_max_position_embeddings` long, then
+    the long ones for every position, its KV computed again (`generate` drops its cache when the
+    sequence first grows past that length). A sequence on the long factors has `rope_long` set:
+    its positions read the long rows of the table, and its cache keys differ from a short
+    sequence's with the same tokens."""
+
+    original_max: int
+    offset: int  # rows of the short factors' table; the long factors' rows follow
+
+    def is_long(self, num_tokens: int) -> bool:
+        return num_tokens > self.original_max
+
+    def rows(self, start: int, count: int, rope_long: bool) -> range:
+        """The table rows of positions `start` .. `start + count - 1`."""
+        first = start + self.offset if rope_long else start
+        return range(first, first + count)
 
 
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -292,9 +324,9 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
     return params
 
 
-# rope types whose frequencies are fixed once for every position, as this engine computes them;
-# "dynamic" and "longrope" change them with the sequence's length and are refused at load
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# rope types this engine computes: fixed frequencies, or LongRoPE's two sets (`LongRope`);
+# "dynamic" changes them with the sequence's length and is refused at load
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def per_layer_type_rope(config) -> bool:
@@ -315,11 +347,11 @@ def rope_frequencies(
     """Inverse frequencies and cos/sin scaling, using transformers' own rope_scaling code."""
     params = rope_parameters(config, layer_type)
     rope_type = params.get("rope_type", "default")
-    if rope_type not in STATIC_ROPE_TYPES:
+    if rope_type not in ROPE_TYPES:
         raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
     if rope_type == "default":
-        base = params["rope_theta"]
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        base, dim = params["rope_theta"], rotary_dim(config, head_dim)
+        exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         return 1.0 / (base**exponent), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -332,3 +364,25 @@ def rope_frequencies(
     else:
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
     return inv_freq.float(), float(scaling)
+
+
+def long_rope_frequencies(config) -> torch.Tensor:
+    """LongRoPE's inverse frequencies past `original_max_position_embeddings` (its long
+    factors); `rope_frequencies` gives the short ones and the scaling both share."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    original = rope_parameters(config)["original_max_position_embeddings"]
+    device = torch.get_default_device()
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, device, seq_len=original + 1)
+    return inv_freq.float()
+
+
+def partial_rotary_factor(config) -> float:
+    """The share of each head's channels that rope turns (Phi-4-mini: 0.75), where the rest
+    pass through unchanged."""
+    factor = rope_parameters(config).get("partial_rotary_factor")
+    return float(factor or getattr(config, "partial_rotary_factor", None) or 1.0)
+
+
+def rotary_dim(config, head_dim: int) -> int:
+    return int(head_dim * partial_rotary_factor(config))

@@ -60,6 +60,15 @@ CONFIGS = {
     ),  # fmt: skip
     "olmo2": Olmo2Config(**SMALL, architectures=["Olmo2ForCausalLM"]),
     "phi3": Phi3Config(**SMALL, pad_token_id=0, architectures=["Phi3ForCausalLM"]),
+    # Phi-4-mini's shape: LongRoPE's two tables, over three quarters of each head
+    "phi3 longrope partial": Phi3Config(
+        **SMALL,
+        pad_token_id=0,
+        partial_rotary_factor=0.75,
+        original_max_position_embeddings=16,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 6, "long_factor": [4.0] * 6},
+        architectures=["Phi3ForCausalLM"],
+    ),  # fmt: skip
     "mixtral": MixtralConfig(**SMALL, num_local_experts=4, architectures=["MixtralForCausalLM"]),
     "qwen2_moe": Qwen2MoeConfig(
         **SMALL,

@@ -359,6 +359,27 @@ def test_engine_greedy_past_a_sliding_window_matches_transformers_through_triton
     )
 
 
+def test_engine_greedy_with_long_rope_on_part_of_each_head_matches_transformers_through_triton(
+    tmp_path,
+):
+    """Phi-4-mini's shape beside Triton's kernels: LongRoPE over three quarters of each head
+    (rope runs eager on that part); a prompt that grows past the original length, one past it
+    from the start."""
+    from conveyor.demo_model import write_tiny_model
+    from conveyor.engine import LLM, SamplingParams
+    from tests.engine.test_long_rope import ORIGINAL, long_rope_config
+    from tests.hf_reference import hf_greedy, random_prompts
+
+    path = write_tiny_model(tmp_path / "phi", "phi3", partial_rotary_factor=0.75,
+                            **long_rope_config(12))  # fmt: skip
+    llm = LLM(str(path), device=DEVICE, dtype="float32", attention_backend="triton",
+              elementwise="triton", block_size=8)  # fmt: skip
+    prompts = random_prompts(2, ORIGINAL - 8, ORIGINAL + 12, seed=8)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=14), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, 14)
+
+
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
     from conveyor.kernels import get_attention_backend
 
