@@ -7,8 +7,9 @@ machine's copy bandwidth, with no padding to the longest context. Prefill has it
 which reads each K/V block once for 16 query vectors (rows times the query heads of a KV head),
 takes their scores from a transposed K block and runs their softmax in one pass over the
 transposed scores: ~3.4x the decode kernel run a row at a time. Both cover blocks of 16
-tokens, head sizes 64 and 128 and up to 16 query heads per KV head; the compiled backend sends
-everything else to `compiled_paged` (decode) and `torch_paged` (prefill).
+tokens, head sizes 64 and 128 and up to 16 query heads per KV head, with a sliding window (only
+the blocks in it are read) and a soft cap on the scores; the compiled backend sends everything
+else to `compiled_paged` (decode) and `torch_paged` (prefill).
 
 It is built with the C++ compiler on first use (under a second) into
 `~/.cache/conveyor/kernels/` (or `$XDG_CACHE_HOME/conveyor/kernels/`), named by a hash of its
@@ -47,6 +48,10 @@ def covers(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     )
 
 
+# scale, threads, window (0: none), soft cap (0: none)
+LAST_ARGUMENTS = [ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_float]
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot be built or run here."""
@@ -54,7 +59,7 @@ def _library() -> ctypes.CDLL | None:
     if lib is not None:
         fn = lib.conveyor_paged_decode_bf16
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + LAST_ARGUMENTS
         fn = lib.conveyor_write_kv_bf16
         fn.restype = None
         fn.argtypes = (
@@ -62,7 +67,7 @@ def _library() -> ctypes.CDLL | None:
         )
         fn = lib.conveyor_paged_prefill_bf16
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 5 + LAST_ARGUMENTS
     return lib
 
 
@@ -92,6 +97,8 @@ def decode_attention(
     context_lens: torch.Tensor,  # [B], each >= 1
     scale: float,
     return_lse: bool = False,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same inputs and results as `torch_paged.decode_attention`, for what `covers` accepts."""
     query, out, lse = _outputs(query, return_lse)
@@ -103,7 +110,8 @@ def decode_attention(
                 query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                 lens.data_ptr(), out.data_ptr(), None if lse is None else lse.data_ptr(),
                 query.shape[0], query.shape[1], k_cache.shape[1], query.shape[2],
-                tables.shape[1], float(scale), torch.get_num_threads(),
+                tables.shape[1], float(scale), torch.get_num_threads(), window or 0,
+                float(softcap or 0.0),
             ),
             query,
         )  # fmt: skip
@@ -134,6 +142,8 @@ def prefill_attention(
     context_lens: list[int],  # [S] tokens in the cache after this chunk
     scale: float,
     return_lse: bool = False,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same inputs and results as `torch_paged.prefill_attention`, this step's K/V already in
     the cache: each chunk's queries attend causally to their sequence's blocks, 16 query
@@ -149,7 +159,7 @@ def prefill_attention(
                 starts.data_ptr(), lens.data_ptr(), out.data_ptr(),
                 None if lse is None else lse.data_ptr(), len(context_lens), query.shape[1],
                 k_cache.shape[1], query.shape[2], tables.shape[1], float(scale),
-                torch.get_num_threads(),
+                torch.get_num_threads(), window or 0, float(softcap or 0.0),
             ),
             query,
         )  # fmt: skip

@@ -94,18 +94,6 @@ class CompiledPagedAttention(TorchPagedAttention):
         if problem := compiled_paged.compiler_missing():
             raise ValueError(f"attention_backend='compiled' needs inductor's C++ build: {problem}")
         self.inductor_decode = compiled_paged.decode_attention
-        self.told = False
-
-    def _native(self, window, softcap) -> bool:
-        """Whether a layer's attention can run the bfloat16 kernel: not with a sliding window
-        or capped scores, which it does not implement (said once)."""
-        if window is None and softcap is None:
-            return True
-        if not self.told:
-            self.told = True
-            log.info("layers with a sliding window or capped attention scores run the compiled "
-                     "attention: the bfloat16 kernel implements neither")  # fmt: skip
-        return False
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping):
         if native_paged.covers(key, k_cache):
@@ -117,11 +105,11 @@ class CompiledPagedAttention(TorchPagedAttention):
         self, query, k_cache, v_cache, block_tables, context_lens, scale, return_lse=False,
         window=None, softcap=None,
     ):  # fmt: skip
-        # the bfloat16 kernel has no window or cap: such a layer's decode runs inductor's
-        if native_paged.covers(query, k_cache) and self._native(window, softcap):
+        if native_paged.covers(query, k_cache):
             return native_paged.decode_attention(
-                query, k_cache, v_cache, block_tables, context_lens, scale, return_lse
-            )
+                query, k_cache, v_cache, block_tables, context_lens, scale, return_lse, window,
+                softcap,
+            )  # fmt: skip
         return self.inductor_decode(
             query, k_cache, v_cache, block_tables, context_lens, scale, return_lse, window, softcap
         )
@@ -130,10 +118,11 @@ class CompiledPagedAttention(TorchPagedAttention):
         self, query, k_cache, v_cache, block_tables, query_start, context_lens, scale, key=None,
         value=None, return_lse=False, window=None, softcap=None,
     ):  # fmt: skip
-        if native_paged.covers(query, k_cache) and self._native(window, softcap):
+        if native_paged.covers(query, k_cache):
             return native_paged.prefill_attention(
-                query, k_cache, v_cache, block_tables, query_start, context_lens, scale, return_lse
-            )
+                query, k_cache, v_cache, block_tables, query_start, context_lens, scale,
+                return_lse, window, softcap,
+            )  # fmt: skip
         return torch_paged.prefill_attention(
             query, k_cache, v_cache, block_tables, query_start, context_lens, scale, key, value,
             return_lse, window, softcap,

@@ -1,6 +1,9 @@
 // Paged attention for bfloat16 on x86 CPUs with AVX512-BF16, K/V blocks read in place through
 // the block table: the decode (one query token per sequence) and the prefill (`prefill` below).
 //
+// Both honour a sliding window (a query sees the last `window` positions; 0: all of them) and a
+// soft cap on the scores (cap * tanh(score / cap); 0: none), as transformers computes them.
+//
 // Decode: work is split over (sequence, KV head) pairs, and the query heads that share a KV head are
 // computed together, so each K/V row is read once per step. Q.K uses the bfloat16 dot-product
 // instruction (exact products, float32 sums); the softmax is online, per block, in float32;
@@ -27,6 +30,7 @@ namespace {
 
 using conveyor::exp16;
 using conveyor::load16;
+using conveyor::softcap16;
 
 constexpr int64_t kBlock = 16;  // tokens per KV block
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
@@ -65,13 +69,17 @@ template <int64_t D, int64_t G>
 void decode(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_cache,
             const int32_t* tables, const int32_t* context_lens, uint16_t* out, float* lse,
             int64_t batch, int64_t heads, int64_t kv_heads, int64_t table_width, float scale,
-            int threads) {
+            int threads, int64_t window, float softcap) {
   constexpr int64_t C = D / 32, V = D / 16;  // 32 bf16 per dot-product chunk, 16 floats per row chunk
   const int64_t group = G > 0 ? G : heads / kv_heads;
   const int64_t block_stride = kv_heads * kBlock * D;
   const __m512 vscale = _mm512_set1_ps(scale);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const int64_t tasks = batch * kv_heads;
+  // the first block a sequence of `context` tokens reads: the one of its window's first key
+  const auto first_block = [window](int64_t context) {
+    return window > 0 ? std::max<int64_t>(context - window, 0) / kBlock : 0;
+  };
   // Tasks dealt round-robin: a thread knows its next task, and asks for that task's first blocks
   // while it finishes this one, so no task starts on a trip to memory
 #pragma omp parallel for schedule(static, 1) num_threads(threads)
@@ -91,20 +99,24 @@ void decode(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_ca
       total[g] = 0.f;
     }
     const int64_t blocks = (context + kBlock - 1) / kBlock;
-    for (int64_t i = 0; i < blocks; ++i) {
+    const int64_t start = first_block(context);
+    for (int64_t i = start; i < blocks; ++i) {
       const int64_t n = (i + 1 < blocks) ? kBlock : context - i * kBlock;
+      // keys of the first block that lie before the window
+      const int64_t skip = (window > 0 && i == start) ? std::max<int64_t>(context - window, 0) - i * kBlock : 0;
       const int64_t base = tables[b * table_width + i] * block_stride + kvh * kBlock * D;
       const uint16_t* k = k_cache + base;
       const uint16_t* v = v_cache + base;
-      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+      const __mmask16 valid = static_cast<__mmask16>(((1u << n) - 1) & ~((1u << skip) - 1));
       // later blocks sit elsewhere in the pool: ask for them early enough to cover the
       // memory's latency (a block's compute is shorter than one trip to memory)
-      for (int64_t ahead = (i == 0 ? 1 : kPrefetchBlocks); ahead <= kPrefetchBlocks; ++ahead) {
+      for (int64_t ahead = (i == start ? 1 : kPrefetchBlocks); ahead <= kPrefetchBlocks; ++ahead) {
         int64_t next = -1;  // the block `ahead` blocks on, in this task or the next one's
         if (i + ahead < blocks) {
           next = tables[b * table_width + i + ahead] * block_stride + kvh * kBlock * D;
         } else if (next_task < tasks) {
-          const int64_t nb = next_task / kv_heads, j = i + ahead - blocks;
+          const int64_t nb = next_task / kv_heads;
+          const int64_t j = first_block(context_lens[nb]) + i + ahead - blocks;
           if (j * kBlock < context_lens[nb])
             next = tables[nb * table_width + j] * block_stride + (next_task % kv_heads) * kBlock * D;
         }
@@ -124,7 +136,9 @@ void decode(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_ca
           }
           dots[j] = a;
         }
-        const __m512 scores = _mm512_mask_mul_ps(ninf, valid, sum_each16(dots), vscale);
+        __m512 scaled = _mm512_mul_ps(sum_each16(dots), vscale);
+        if (softcap > 0.f) scaled = softcap16(scaled, softcap);
+        const __m512 scores = _mm512_mask_mov_ps(ninf, valid, scaled);
         const float m = std::max(top[g], _mm512_reduce_max_ps(scores));
         const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m))));
         const float rescale = std::exp(top[g] - m);  // 0 on the first block (top is -inf)
@@ -134,7 +148,7 @@ void decode(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_ca
         _mm512_store_ps(probs[g], p);
         top[g] = m;
       }
-      for (int64_t j = 0; j < n; ++j) {
+      for (int64_t j = skip; j < n; ++j) {
         __m512 row[V];
         for (int64_t c = 0; c < V; ++c) row[c] = load16(v + j * D + c * 16);
         for (int64_t g = 0; g < group; ++g) {
@@ -194,7 +208,7 @@ template <int64_t D>
 void prefill(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_cache,
              const int32_t* tables, const int32_t* query_start, const int32_t* context_lens,
              uint16_t* out, float* lse, int64_t seqs, int64_t heads, int64_t kv_heads,
-             int64_t table_width, float scale, int threads) {
+             int64_t table_width, float scale, int threads, int64_t window, float softcap) {
   constexpr int64_t P = D / 2, V = D / 16;  // dword pairs per row, float vectors per row
   const int64_t group = heads / kv_heads;
   const int64_t rows_per_tile = std::max<int64_t>(1, kTile / group);
@@ -235,9 +249,12 @@ void prefill(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_c
     const __m512i position = _mm512_load_si512(positions);
     const int64_t last = first + r0 + rows - 1;  // the tile's last position
     const int64_t blocks = last / kBlock + 1;
+    // lane t: the first position query t sees (its window's), and from which block the tile reads
+    const __m512i from = _mm512_sub_epi32(position, _mm512_set1_epi32(static_cast<int32_t>(window - 1)));
+    const int64_t start = window > 0 ? std::max<int64_t>(first + r0 - window + 1, 0) / kBlock : 0;
     const __m512 vscale = _mm512_set1_ps(scale);
     const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t i = 0; i < blocks; ++i) {
+    for (int64_t i = start; i < blocks; ++i) {
       const int64_t base = tables[s * table_width + i] * block_stride + kvh * kBlock * D;
       const uint16_t* k = k_cache + base;
       const uint16_t* v = v_cache + base;
@@ -266,13 +283,18 @@ void prefill(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_c
       __m512i keys[kBlock];
       for (int64_t t = 0; t < kTile; ++t) keys[t] = _mm512_castps_si512(scores[t]);
       transpose16(keys);
-      const __m512i seen = _mm512_sub_epi32(position, _mm512_set1_epi32(i * kBlock));
+      const __m512i block_start = _mm512_set1_epi32(static_cast<int32_t>(i * kBlock));
+      const __m512i seen = _mm512_sub_epi32(position, block_start);
+      const __m512i seen_from = _mm512_sub_epi32(from, block_start);
       __mmask16 visible[kBlock];
       __m512 block_top = ninf;
       for (int64_t j = 0; j < kBlock; ++j) {
-        visible[j] = _mm512_cmp_epi32_mask(_mm512_set1_epi32(j), seen, _MM_CMPINT_LE);
-        keys[j] = _mm512_castps_si512(
-            _mm512_mask_mul_ps(ninf, visible[j], _mm512_castsi512_ps(keys[j]), vscale));
+        const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(j));
+        visible[j] = _mm512_cmp_epi32_mask(key, seen, _MM_CMPINT_LE);
+        if (window > 0) visible[j] &= _mm512_cmp_epi32_mask(key, seen_from, _MM_CMPINT_NLT);
+        __m512 scaled = _mm512_mul_ps(_mm512_castsi512_ps(keys[j]), vscale);
+        if (softcap > 0.f) scaled = softcap16(scaled, softcap);
+        keys[j] = _mm512_castps_si512(_mm512_mask_mov_ps(ninf, visible[j], scaled));
         block_top = _mm512_max_ps(block_top, _mm512_castsi512_ps(keys[j]));
       }
       const __m512 new_top = _mm512_max_ps(top, block_top);
@@ -292,11 +314,13 @@ void prefill(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_c
       _mm512_store_ps(rescale, factor);
       for (int64_t t = 0; t < count; ++t) {
         const int64_t nk = std::min(pos[t] - i * kBlock + 1, kBlock);  // keys it sees
-        if (nk <= 0) continue;
+        // the keys of this block before its window (their weights are 0)
+        const int64_t j0 = window > 0 ? std::max<int64_t>(pos[t] - window + 1 - i * kBlock, 0) : 0;
+        if (nk <= j0) continue;
         __m512 o[V];
         const __m512 rs = _mm512_set1_ps(rescale[t]);
         for (int64_t c = 0; c < V; ++c) o[c] = _mm512_mul_ps(_mm512_load_ps(acc[t] + c * 16), rs);
-        for (int64_t j = 0; j < nk; ++j) {
+        for (int64_t j = j0; j < nk; ++j) {
           const __m512 pj = _mm512_set1_ps(probs[j][t]);
           for (int64_t c = 0; c < V; ++c)
             o[c] = _mm512_fmadd_ps(pj, _mm512_load_ps(vf[j] + c * 16), o[c]);
@@ -324,18 +348,21 @@ extern "C" {
 // Returns 0, or -1 for a shape this kernel does not cover (the caller checks first).
 // query/out [batch, heads, head_dim]; caches [blocks, kv_heads, 16, head_dim]; tables
 // [batch, table_width] int32; context_lens [batch] int32, each >= 1; lse [batch, heads] or null;
-// threads: the caller's thread count (torch's), not OpenMP's default for this thread.
+// threads: the caller's thread count (torch's), not OpenMP's default for this thread; window: the
+// positions a query sees (0: all); softcap: the cap on its scores (0: none).
 int conveyor_paged_decode_bf16(const uint16_t* query, const uint16_t* k_cache,
                                const uint16_t* v_cache, const int32_t* tables,
                                const int32_t* context_lens, uint16_t* out, float* lse,
                                int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                               int64_t table_width, float scale, int threads) {
+                               int64_t table_width, float scale, int threads, int64_t window,
+                               float softcap) {
   if (kv_heads < 1 || heads % kv_heads != 0 || heads / kv_heads > kMaxGroup) return -1;
   if (head_dim != 64 && head_dim != 128) return -1;
   const auto run = [&](auto d, auto g) {
     decode<decltype(d)::value, decltype(g)::value>(query, k_cache, v_cache, tables,
                                                    context_lens, out, lse, batch, heads,
-                                                   kv_heads, table_width, scale, threads);
+                                                   kv_heads, table_width, scale, threads,
+                                                   window, softcap);
   };
   const auto for_group = [&](auto d) {
     switch (heads / kv_heads) {
@@ -356,20 +383,21 @@ int conveyor_paged_decode_bf16(const uint16_t* query, const uint16_t* k_cache,
 
 // Returns 0, or -1 for a shape this kernel does not cover. query/out [T, heads, head_dim], the
 // chunks back to back; query_start [seqs + 1] int32; context_lens [seqs] int32: tokens in the
-// cache after this step's chunk; tables [seqs, table_width]; lse [T, heads] or null.
+// cache after this step's chunk; tables [seqs, table_width]; lse [T, heads] or null; window and
+// softcap as for the decode.
 int conveyor_paged_prefill_bf16(const uint16_t* query, const uint16_t* k_cache,
                                 const uint16_t* v_cache, const int32_t* tables,
                                 const int32_t* query_start, const int32_t* context_lens,
                                 uint16_t* out, float* lse, int64_t seqs, int64_t heads,
                                 int64_t kv_heads, int64_t head_dim, int64_t table_width,
-                                float scale, int threads) {
+                                float scale, int threads, int64_t window, float softcap) {
   if (kv_heads < 1 || heads % kv_heads != 0 || heads / kv_heads > kMaxGroup) return -1;
   if (head_dim == 64) {
     prefill<64>(query, k_cache, v_cache, tables, query_start, context_lens, out, lse, seqs,
-                heads, kv_heads, table_width, scale, threads);
+                heads, kv_heads, table_width, scale, threads, window, softcap);
   } else if (head_dim == 128) {
     prefill<128>(query, k_cache, v_cache, tables, query_start, context_lens, out, lse, seqs,
-                 heads, kv_heads, table_width, scale, threads);
+                 heads, kv_heads, table_width, scale, threads, window, softcap);
   } else {
     return -1;
   }

@@ -1,4 +1,4 @@
-// What the AVX512-BF16 kernels in this folder share: bfloat16 loads and a vector e^x.
+// What the AVX512-BF16 kernels in this folder share: bfloat16 loads, a vector e^x and soft cap.
 #pragma once
 
 #include <immintrin.h>
@@ -28,6 +28,16 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+
+// cap * tanh(x / cap) for 16 floats (Gemma 2's soft cap on attention scores), with
+// tanh(y) = 1 - 2 / (e^{2y} + 1): exact at both ends, where e^{2y} is 0 or inf, and within ~1e-7
+// of cap * tanh near 0, where the subtraction cancels (an absolute error, as the softmax sees it).
+inline __m512 softcap16(__m512 x, float cap) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 e = exp16(_mm512_mul_ps(x, _mm512_set1_ps(2.f / cap)));
+  const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
+  return _mm512_mul_ps(t, _mm512_set1_ps(cap));
 }
 
 }  // namespace conveyor

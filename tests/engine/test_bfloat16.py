@@ -95,25 +95,44 @@ def test_bfloat16_through_our_kernels_agrees_with_transformers(tmp_path, hf_bf16
     assert calls == {"decode_attention", "rms_norm", "rope", "silu_mul"}
 
 
-def test_windowed_layers_leave_the_bfloat16_kernel_and_agree(tmp_path, hf_bf16, caplog):
-    """The bfloat16 attention kernel has no sliding window: a windowed layer runs the compiled
-    attention, says so, and stays within the tolerance of transformers past the window."""
-    import logging
-
+@pytest.mark.parametrize(
+    "arch, shape",
+    [
+        ("mistral", dict(sliding_window=16)),
+        # a windowed layer and a global one, both with capped scores; smaller weights, as at
+        # 0.08 this Gemma 2's bfloat16 logprobs stray past the tolerance through any attention
+        ("gemma2", dict(sliding_window=16, head_dim=64, query_pre_attn_scalar=64,
+                        attn_logit_softcapping=0.5, init_std=0.02)),
+    ],
+)  # fmt: skip
+def test_windowed_and_capped_layers_run_the_bfloat16_kernel_and_agree(
+    tmp_path, hf_bf16, monkeypatch, arch, shape
+):
+    """The bfloat16 attention kernel reads a windowed layer's last `sliding_window` positions
+    and caps a layer's scores as transformers does, past the window."""
     from conveyor.demo_model import write_tiny_model
     from conveyor.kernels import native_paged
 
     if not cpu_build.cpu_has_avx512_bf16():
         pytest.skip("this CPU has no AVX512-BF16, so the kernel does not run")
     path = write_tiny_model(
-        tmp_path / "mistral64", "mistral", hidden_size=128, num_attention_heads=2,
-        num_key_value_heads=1, sliding_window=16,
+        tmp_path / arch, arch, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+        **shape,
     )  # fmt: skip
-    with caplog.at_level(logging.INFO, logger="conveyor.kernels.torch_backend"):
-        check_against_transformers(path, hf_bf16(path), "mistral, window 16, head size 64")
-    assert "the bfloat16 kernel implements neither" in caplog.text
-    assert native_paged.covers(torch.zeros(1, 2, 64, dtype=torch.bfloat16),
-                               torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16))  # fmt: skip
+    seen = set()
+    for name in ("decode_attention", "prefill_attention"):
+        kernel = getattr(native_paged, name)
+
+        def counted(*args, k=kernel, n=name, **kwargs):
+            seen.add((n, args[-2], args[-1]))  # the backend passes window, softcap last
+            return k(*args, **kwargs)
+
+        monkeypatch.setattr(native_paged, name, counted)
+    check_against_transformers(path, hf_bf16(path), f"{arch} {shape}, head size 64")
+    windows = {window for _, window, _ in seen}
+    caps = {cap for _, _, cap in seen}
+    assert 16 in windows and {n for n, *_ in seen} == {"decode_attention", "prefill_attention"}
+    assert caps == ({0.5} if arch == "gemma2" else {None})
 
 
 def check_against_transformers(

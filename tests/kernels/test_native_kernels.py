@@ -80,6 +80,51 @@ def test_native_prefill_matches_the_reference(heads, kv_heads, head_dim) -> None
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window, softcap", [(1, None), (16, None), (40, None), (None, 2.0),
+                                             (23, 0.5), (5000, 30.0)])  # fmt: skip
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 4, 64), (4, 4, 128), (8, 1, 64)])
+def test_native_decode_honours_a_window_and_a_soft_cap(window, softcap, heads, kv_heads, head_dim):
+    """Windows that start inside a block, on a block's edge, past the longest context; caps
+    low enough to flatten the scores (Gemma 2's attention cap is 50)."""
+    lens = [1, 17, 300, 5, 64, 129, 2, 33, 1000]
+    query, k_cache, v_cache, tables, context = setup(lens, heads, kv_heads, head_dim, seed=4)
+    query = query * 4  # scores well past the caps
+    got, lse = native_paged.decode_attention(
+        query, k_cache, v_cache, tables, context, 0.17, True, window, softcap
+    )
+    want, want_lse = ref.decode_attention(
+        query.float(), k_cache.float(), v_cache.float(), tables, context, 0.17, True, window,
+        softcap,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want.to(torch.bfloat16), rtol=1.6e-2, atol=4e-3)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window, softcap", [(1, None), (16, None), (37, None), (None, 1.5),
+                                             (20, 0.5)])  # fmt: skip
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 4, 64), (4, 4, 128), (16, 1, 64)])
+def test_native_prefill_honours_a_window_and_a_soft_cap(window, softcap, heads, kv_heads, head_dim):
+    """Chunks whose rows' windows begin in different blocks of one tile, after cached context
+    and from the first position."""
+    lens = [40, 17, 300, 1, 16, 29, 90]
+    chunks = [40, 5, 120, 1, 16, 13, 3]
+    k_cache, v_cache, tables, g = paged_setup(lens, 16, kv_heads, head_dim, seed=5,
+                                              dtype=torch.bfloat16)  # fmt: skip
+    starts = [0]
+    for n in chunks:
+        starts.append(starts[-1] + n)
+    query = (4 * torch.randn(starts[-1], heads, head_dim, generator=g)).to(torch.bfloat16)
+    got, lse = native_paged.prefill_attention(
+        query, k_cache, v_cache, tables, starts, lens, 0.2, True, window, softcap
+    )
+    want, want_lse = ref.prefill_attention(
+        query.float(), k_cache.float(), v_cache.float(), tables, starts, lens, 0.2,
+        return_lse=True, window=window, softcap=softcap,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want.to(torch.bfloat16), rtol=1.6e-2, atol=4e-3)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
 def test_native_decode_takes_no_rows() -> None:
     query, k_cache, v_cache, tables, context = setup([5], 8, 4, 64)
     out = native_paged.decode_attention(query[:0], k_cache, v_cache, tables[:0], context[:0], 0.1)
