@@ -3,6 +3,11 @@
 A full block is keyed by a hash chained over every token before it, so equal keys mean equal
 prefixes. A freed block keeps its key and stays reusable until the pool needs it back; free blocks
 are handed out least-recently-freed first, blocks that hold nothing cacheable before any others.
+
+Where every layer attends to a sliding window (Mistral, Mixtral, Phi-3-mini-4k), a block that
+lies wholly before the window of every query its sequence will still compute is given back to
+the pool (its key stays cached) and its place in the table taken by `NULL_BLOCK`, which is never
+handed out: a sequence then holds about `window` tokens of blocks however long it grows.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ class Block:
     logprobs: BlockLogprobs | None = None  # its prompt logprobs, kept while its key is
 
 
+# stands in a windowed sequence's table for the blocks it gave back; its KV stays zero, and the
+# kernels read it only at positions the window masks
+NULL_BLOCK = 0
+
 # the root of the keys of a sequence on LongRoPE's long factors: its KV is not that of a
 # sequence with the same tokens on the short ones
 LONG_ROPE_ROOT = b"longrope:long"
@@ -45,20 +54,35 @@ def _keeps_logprobs(block: Block, k: int) -> bool:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if num_blocks < 1:
-            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        window: int | None = None,
+    ):
+        """`window`: the sliding window of every layer (their largest), or None where a layer
+        attends to the whole context."""
+        reserved = 0 if window is None else 1  # NULL_BLOCK
+        if num_blocks < 1 + reserved:
+            raise ValueError(f"the KV cache needs at least {1 + reserved} blocks, got {num_blocks}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict(
+            (i, None) for i in range(reserved, num_blocks)
+        )
+        if reserved:
+            self.blocks[NULL_BLOCK].ref_count = 1  # held for good
         self.cached: dict[bytes, int] = {}  # key -> block id, for blocks whose KV is written
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) the runner copies next step
 
     # ---- accounting -------------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        """Blocks a sequence can be given (not `NULL_BLOCK`)."""
+        return len(self.blocks) - (self.window is not None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -189,20 +213,34 @@ class BlockManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let `child` share every block of `parent` (copied on first write)."""
-        for block_id in parent.block_table:
+        for block_id in parent.block_table[parent.num_released_blocks :]:
             self._acquire(block_id)
         child.block_table = list(parent.block_table)
         child.block_keys = list(parent.block_keys)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_registered_blocks = parent.num_registered_blocks
+        child.num_released_blocks = parent.num_released_blocks
+
+    def release_outside_window(self, seq: Sequence) -> None:
+        """Give back the blocks of `seq` that lie wholly before the window of every query it
+        will still compute (from position `num_computed_tokens` on); no-op without a window."""
+        if self.window is None:
+            return
+        end = max(0, seq.num_computed_tokens - self.window + 1) // self.block_size
+        table = seq.block_table
+        for i in range(seq.num_released_blocks, min(end, len(table))):
+            self._release(table[i])
+            table[i] = NULL_BLOCK
+        seq.num_released_blocks = max(seq.num_released_blocks, min(end, len(table)))
 
     def free(self, seq: Sequence) -> None:
         # tail blocks first, so a sequence's shared head outlives its private tail in the LRU
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(seq.block_table[seq.num_released_blocks :]):
             self._release(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+        seq.num_released_blocks = 0
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

@@ -96,8 +96,11 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(num_kv_blocks)
         self.block_size = config.block_size
 
+        window = net.common_window()
+        # one more block where windowed sequences give blocks back: NULL_BLOCK, never handed out
+        pool_blocks = num_kv_blocks + (window is not None)
         self.block_manager = BlockManager(
-            num_kv_blocks, config.block_size, config.enable_prefix_caching
+            pool_blocks, config.block_size, config.enable_prefix_caching, window
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -108,7 +111,7 @@ class LLMEngine:
             max_waiting_time=config.max_waiting_time,
         )
         self.runner = ModelRunner(
-            net, backend, num_kv_blocks, config.block_size, self.device, self.dtype
+            net, backend, pool_blocks, config.block_size, self.device, self.dtype
         )
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
@@ -182,7 +185,9 @@ class LLMEngine:
         return self.engine_config.max_model_len or self.model_len_limit
 
     def _max_model_len(self, num_kv_blocks: int) -> int:
-        """The configured max_model_len, else the model's, capped by what the KV cache holds."""
+        """The configured max_model_len, else the model's, capped by what the KV cache holds
+        (all of a sequence's blocks, even where a window lets it give most back: a prompt
+        whose whole prefix is cached takes every block of it at admission)."""
         max_model_len, block_size = self.engine_config.max_model_len, self.engine_config.block_size
         capacity = num_kv_blocks * block_size
         if max_model_len is None:
@@ -437,6 +442,8 @@ class LLMEngine:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_computed_blocks(item.seq)
         self.prompt_logprobs.keep(scheduled, result.prompt_boundaries)
+        for item in scheduled:  # after the prompt logprobs kept what they read of the blocks
+            self.block_manager.release_outside_window(item.seq)
         seqs, rows, failed = self._samples(completing)
         bitmask = None
         if masks is not None:

@@ -38,6 +38,7 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)  # chained keys of its full blocks
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
+    num_released_blocks: int = 0  # leading blocks given back, outside every window
     logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None

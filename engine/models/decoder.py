@@ -271,6 +271,12 @@ class DecoderForCausalLM(nn.Module):
         self.head_dim = attn.head_dim
         self.long_rope: LongRope | None = self.model.rotary.long_rope  # LongRoPE's, if used
 
+    def common_window(self) -> int | None:
+        """The sliding window every layer has (their largest), or None where a layer attends to
+        the whole context: what a sequence's KV cache must keep at most."""
+        windows = [layer.self_attn.window for layer in self.model.layers]
+        return None if None in windows else max(windows)
+
     @classmethod
     def embed_scale(cls, config) -> float | None:
         """What the embeddings are multiplied by (Gemma: the square root of the width)."""

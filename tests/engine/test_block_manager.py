@@ -13,7 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from conveyor.engine.block_manager import BlockManager
+from conveyor.engine.block_manager import NULL_BLOCK, BlockManager
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.sequence import Request, Sequence
 
@@ -25,9 +25,13 @@ stems = st.sampled_from([[], [1, 1, 1, 1], [2, 0, 2, 0, 1, 1, 1, 1]])
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
+    window: int | None = None  # every layer's sliding window, or None
+
     def __init__(self):
         super().__init__()
-        self.bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True)
+        reserved = self.window is not None  # NULL_BLOCK
+        self.bm = BlockManager(NUM_BLOCKS + reserved, BLOCK_SIZE, enable_prefix_caching=True,
+                               window=self.window)  # fmt: skip
         self.slots: dict[int, int] = {}  # slot -> token whose KV it holds
         self.live: list[Sequence] = []
 
@@ -45,6 +49,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.slots[slot] = seq.token_ids[pos]
         seq.num_computed_tokens += num_new
         self.bm.register_computed_blocks(seq)
+        self.bm.release_outside_window(seq)
         return True
 
     @rule(stem=stems, body=tokens)
@@ -85,8 +90,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def ref_counts_match_tables(self):
-        held = Counter(b for seq in self.live for b in seq.block_table)
+        held = Counter(b for seq in self.live for b in seq.block_table if b != self._null())
         for block in self.bm.blocks:
+            if block.block_id == self._null():
+                assert block.ref_count == 1 and block.block_id not in self.bm._free
+                continue
             assert block.ref_count == held[block.block_id]
             assert (block.ref_count == 0) == (block.block_id in self.bm._free)
         assert self.bm.num_free_blocks == NUM_BLOCKS - len(held)
@@ -96,22 +104,39 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for key, block_id in self.bm.cached.items():
             assert self.bm.blocks[block_id].key == key
 
+    def _null(self) -> int | None:
+        return None if self.window is None else NULL_BLOCK
+
     @invariant()
     def every_sequence_reads_its_own_tokens(self):
+        """... at every position its next query sees (all of them without a window); the
+        blocks wholly before that were given back."""
         for seq in self.live:
-            for pos in range(seq.num_computed_tokens):
+            first = 0 if self.window is None else max(0, seq.num_computed_tokens - self.window + 1)
+            released = first // BLOCK_SIZE
+            assert seq.block_table[:released] == [self._null()] * released
+            for pos in range(first, seq.num_computed_tokens):
                 slot = seq.block_table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
                 assert self.slots.get(slot) == seq.token_ids[pos], (seq.seq_id, pos)
 
     def teardown(self):
         for seq in self.live:
             self.bm.free(seq)
-        assert all(b.ref_count == 0 for b in self.bm.blocks)
+        assert all(b.ref_count == 0 for b in self.bm.blocks if b.block_id != self._null())
         assert self.bm.num_free_blocks == NUM_BLOCKS
+
+
+class WindowedBlockManagerMachine(BlockManagerMachine):
+    """Every layer windowed (6 tokens, blocks of 4): blocks before the window go back."""
+
+    window = 6
 
 
 TestBlockManager = BlockManagerMachine.TestCase
 TestBlockManager.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+TestWindowedBlockManager = WindowedBlockManagerMachine.TestCase
+TestWindowedBlockManager.settings = settings(max_examples=200, stateful_step_count=40,
+                                             deadline=None)  # fmt: skip
 
 
 def test_double_free_is_caught():
