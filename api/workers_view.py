@@ -68,7 +68,17 @@ def _worker(row: WorkerRow, running_shards: int) -> schemas.Worker:
         preemptions=_count(stats, "num_preemptions"),
         running_shards=running_shards,
         plan=_plan(stats.get("plan")),
+        default_sampling=default_sampling(stats),
     )
+
+
+def default_sampling(stats: dict[str, Any] | None) -> dict[str, float]:
+    """The sampling a worker's requests get for what they leave out, as its heartbeat wrote it
+    (a worker of another version may have written none, or something else)."""
+    value = (stats or {}).get("default_sampling")
+    if not isinstance(value, dict):
+        return {}
+    return {k: v for k, v in value.items() if _number(value, k) is not None}
 
 
 def _plan(value: object) -> schemas.EnginePlan | None:

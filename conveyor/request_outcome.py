@@ -95,9 +95,10 @@ def engine_error(
 
 
 def prepare_request(llm: Engine, request: ParsedRequest) -> tuple[str | list[int], SamplingParams]:
-    """The engine prompt and sampling params of a parsed line. Raises `RequestError`."""
+    """The engine prompt and sampling params of a parsed line, the fields it leaves out
+    filled from the model's defaults (`Engine.default_sampling`). Raises `RequestError`."""
     try:
-        params = SamplingParams(**request.sampling)
+        params = SamplingParams(**{**llm.default_sampling, **request.sampling})
     except InvalidRequestError as err:
         raise engine_error(err, request, f"line {request.line}") from None
     if not request.is_chat:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import torch
 
 ADMISSION_POLICIES = ("cache_aware", "fcfs")
+GENERATION_CONFIGS = ("auto", "vllm")
 
 _SIZE_UNITS = {
     "": 1,
@@ -141,6 +142,14 @@ class EngineConfig:
         "(default auto)",
         choices=("auto", "triton", "native", "compiled", "eager"),
     )
+    generation_config: str = _option(
+        "auto",
+        "the sampling a request that omits a field gets: auto (the checkpoint's "
+        "generation_config.json temperature, top_p, top_k, min_p and repetition_penalty, as "
+        "vLLM's default) or vllm (the OpenAI API's defaults, whatever the checkpoint ships; "
+        "default auto)",
+        choices=GENERATION_CONFIGS,
+    )
     grammar_timeout: float = _option(
         10.0,
         "a request whose structured output (JSON schema, regex, grammar) has not compiled "
@@ -170,6 +179,10 @@ class EngineConfig:
         if self.admission_policy not in ADMISSION_POLICIES:
             raise ValueError(
                 f"admission_policy must be 'cache_aware' or 'fcfs', got {self.admission_policy!r}"
+            )
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ValueError(
+                f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}"
             )
         if self.max_waiting_time < 0:
             raise ValueError(f"max_waiting_time must be >= 0 seconds, got {self.max_waiting_time}")

@@ -26,7 +26,7 @@ class LLM(LLMEngine):
         """Run every prompt to completion; outputs come back in the order of `prompts`."""
         prompt_list = _as_prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
-            param_list = [params or SamplingParams()] * len(prompt_list)
+            param_list = [params or self.get_default_sampling_params()] * len(prompt_list)
         else:
             param_list = list(params)
             if len(param_list) != len(prompt_list):

@@ -26,6 +26,7 @@ from conveyor.engine.errors import (
 )
 from conveyor.engine.loader import (
     config_dtype,
+    default_sampling,
     eos_token_ids,
     load_config,
     load_model,
@@ -142,6 +143,10 @@ class LLMEngine:
         self.dtype = resolve_dtype(self.engine_config.dtype, config_dtype(hf_config), self.device)
         self.tokenizer = load_tokenizer(path)
         self.eos_token_ids = eos_token_ids(path, hf_config, self.tokenizer)
+        # what a request that omits a sampling field gets (`get_default_sampling_params`)
+        self.default_sampling: dict[str, Any] = (
+            default_sampling(path) if self.engine_config.generation_config == "auto" else {}
+        )
         self.vocab_size = hf_config.vocab_size
 
         max_model_len = self.engine_config.max_model_len
@@ -248,6 +253,11 @@ class LLMEngine:
             )
         return ids
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request that gives no sampling params runs with: the checkpoint's
+        `generation_config.json` sampling (`default_sampling`), else `SamplingParams()`'s."""
+        return SamplingParams(**self.default_sampling)
+
     def add_request(
         self,
         request_id: str,
@@ -261,7 +271,7 @@ class LLMEngine:
         preempts running requests of a higher one (as vLLM's priority scheduling). With
         `stream`, every step that gives it a token returns its output so far
         (`finished=False`) besides the final one."""
-        params = params or SamplingParams()
+        params = params or self.get_default_sampling_params()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)

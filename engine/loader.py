@@ -252,6 +252,32 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
+# generation_config.json's sampling fields a request that omits them gets, as vLLM's
+# `--generation-config auto` gives them (its `max_new_tokens` is not one: a completion's
+# default length stays OpenAI's)
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def default_sampling(path: Path) -> dict[str, Any]:
+    """The sampling the checkpoint's authors ship in `generation_config.json`: its values of
+    `GENERATION_DEFAULTS`, checked as a request's are (a value `SamplingParams` refuses is
+    refused at load, naming the file)."""
+    from conveyor.engine.sampling_params import SamplingParams
+
+    gen_file = path / "generation_config.json"
+    if not gen_file.exists():
+        return {}
+    shipped = json.loads(gen_file.read_text())
+    defaults = {k: shipped[k] for k in GENERATION_DEFAULTS if shipped.get(k) is not None}
+    if defaults.get("top_k") == 0:  # transformers' "no top-k"
+        del defaults["top_k"]
+    try:
+        SamplingParams(**defaults)
+    except ValueError as err:
+        raise ValueError(f"{gen_file}: {err}") from None
+    return defaults
+
+
 def eos_token_ids(path: Path, config, tokenizer) -> set[int]:
     ids = None
     gen_file = path / "generation_config.json"

@@ -16,6 +16,8 @@ class Engine(Protocol):
     max_model_len: int | None  # None: no limit of its own
     vocab_size: int | None
     plan: Any  # how each piece of a step runs (`device_plan.DevicePlan`), None where none
+    # the sampling a request that omits a field gets (the checkpoint's generation_config.json)
+    default_sampling: dict[str, Any]
 
     def add_request(
         self,

@@ -45,6 +45,7 @@ class EchoEngine:
         self.max_model_len: int | None = None  # no context of its own
         self.vocab_size: int | None = None
         self.plan = None
+        self.default_sampling: dict[str, Any] = {}  # no checkpoint, no defaults of its own
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         return "\n".join(f"{m.get('role')}: {m.get('content') or ''}" for m in messages)

@@ -99,6 +99,8 @@ class EngineService(threading.Thread):
         data["engine_steps"] = self.steps
         data["in_flight"] = len(self.jobs)
         data["co_scheduled"] = [[a, b, n] for (a, b), n in self.co_scheduled.most_common(50)]
+        # what a request that leaves a sampling field out gets (generation_config.json)
+        data["default_sampling"] = dict(getattr(self.engine, "default_sampling", {}))
         if self.engine.plan is not None:  # how each piece runs
             data["plan"] = self.engine.plan.as_dict()
         return data

@@ -10,6 +10,7 @@ from sqlalchemy import text
 from conveyor.api import schemas
 from conveyor.api.deps import SessionDep, StateDep, get_project
 from conveyor.api.guard import KeyedRoute
+from conveyor.api.workers_view import default_sampling
 from conveyor.dispatch.broker import ping
 from conveyor.ledger.serving import unserved_models
 from conveyor.ledger.workers import live_worker_rows
@@ -62,5 +63,10 @@ def list_models(state: StateDep, session: SessionDep) -> schemas.ModelList:
             if name in models:
                 models[name].workers += 1
             else:
-                models[name] = schemas.Model(id=name, created=int(worker.started_at), workers=1)
+                models[name] = schemas.Model(
+                    id=name,
+                    created=int(worker.started_at),
+                    workers=1,
+                    default_sampling=default_sampling(worker.stats),
+                )
     return schemas.ModelList(data=list(models.values()))

@@ -152,14 +152,13 @@ class _SamplingFields(BaseModel):
         return None
 
     def common_sampling_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {
-            "n": 1 if self.n is None else self.n,
-            "temperature": 1.0 if self.temperature is None else float(self.temperature),
-            "top_p": 1.0 if self.top_p is None else float(self.top_p),
-        }
+        # a field left out stays out: the engine fills it from the model's defaults
+        kwargs: dict[str, Any] = {"n": 1 if self.n is None else self.n}
         if self.stop is not None:
             kwargs["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         optional = {
+            "temperature": None if self.temperature is None else float(self.temperature),
+            "top_p": None if self.top_p is None else float(self.top_p),
             "seed": self.seed,
             "top_k": self.top_k,
             "min_p": None if self.min_p is None else float(self.min_p),

@@ -189,3 +189,25 @@ def test_the_page_files_ship_with_the_package() -> None:
     assert {"ui/index.html", "ui/app.js", "ui/style.css"} <= set(files)
     for name in files:
         assert any(fnmatch.fnmatchcase(name, p) for p in patterns), f"{name} would not ship"
+
+
+def test_models_list_the_default_sampling_their_workers_run(ledger: Ledger):
+    """`GET /v1/models` says what a request that leaves a sampling field out gets."""
+    from types import SimpleNamespace
+
+    from conveyor.api.routes.system import list_models
+
+    defaults = {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    with ledger.session() as session:
+        add_worker(session, "w1", "qwen", 1.0, stats={"default_sampling": defaults})
+        add_worker(session, "w2", "plain", 1.0, stats={"default_sampling": {}})
+        # a worker of another version wrote something else: left out, never a 500
+        add_worker(session, "w3", "odd", 1.0, stats={"default_sampling": {"top_k": "x"}})
+    state = SimpleNamespace(settings=SimpleNamespace(heartbeat_timeout=60.0))
+    with ledger.reads() as session:
+        models = {m.id: m for m in list_models(state, session).data}
+    assert models["qwen"].default_sampling == defaults
+    assert models["plain"].default_sampling == models["odd"].default_sampling == {}
+    with ledger.reads() as session:
+        workers = {w.id: w for w in worker_list(session, 60.0).data}
+    assert workers["w1"].default_sampling == defaults and workers["w3"].default_sampling == {}

@@ -26,6 +26,7 @@ LINE = {
 
 class Engine:  # what preparing a completion asks of an engine: nothing but being there
     tokenizer = None
+    default_sampling: dict = {}
 
 
 def parse(raw, line):

@@ -292,7 +292,8 @@ def test_chat_defaults() -> None:
     assert req.messages == [{"role": "user", "content": "hello"}]
     assert req.prompt is None
     assert req.top_logprobs is None
-    assert req.sampling == {"n": 1, "temperature": 1.0, "top_p": 1.0, "max_tokens": None}
+    # what the line leaves out stays out: the engine fills it from the model's defaults
+    assert req.sampling == {"n": 1, "max_tokens": None}
 
 
 def test_chat_sampling_kwargs() -> None:
@@ -357,7 +358,7 @@ def test_chat_logprobs_without_top() -> None:
 def test_completion_defaults_and_token_prompts() -> None:
     req = parse_request_line(completion_line("p", "Once upon"))
     assert not req.is_chat and req.prompt == "Once upon" and req.messages is None
-    assert req.sampling == {"n": 1, "temperature": 1.0, "top_p": 1.0, "max_tokens": 16}
+    assert req.sampling == {"n": 1, "max_tokens": 16}
     assert not req.echo
     assert parse_request_line(completion_line("p", [3, 4, 5])).prompt == [3, 4, 5]
     assert parse_request_line(completion_line("p", [[3, 4]])).prompt == [3, 4]
@@ -371,7 +372,6 @@ def test_completion_lm_eval_loglikelihood_body() -> None:
     assert req.sampling == {
         "n": 1,
         "temperature": 0.0,
-        "top_p": 1.0,
         "max_tokens": 1,
         "logprobs": 1,
         "prompt_logprobs": 1,
@@ -391,8 +391,6 @@ def test_completion_sampling_extras() -> None:
     )  # fmt: skip
     assert req.sampling == {
         "n": 3,
-        "temperature": 1.0,
-        "top_p": 1.0,
         "max_tokens": 16,
         "stop": ["a", "b"],
         "seed": 1,
@@ -850,6 +848,7 @@ class ScriptedEngine:
     """Finishes one request per step with a fixed reply; can be told to fail on a given step."""
 
     tokenizer = None
+    default_sampling: dict = {}
 
     def __init__(self, fail_on_step: int | None = None, exc: BaseException | None = None):
         self.waiting: list[tuple[str, list[int]]] = []
