@@ -29,9 +29,10 @@ def add_engine_arguments(
         nargs="+",
         metavar="NAME",
         help="name(s) the model answers to; the first is reported in each response's `model`. "
-        "When given, requests whose body.model is not one of them are rejected "
-        "(model_not_found). Default: the model directory's name (or the Hugging Face id); "
-        "run-batch then does not check body.model",
+        "When given, requests whose body.model is neither one of them nor the --model path "
+        "are rejected (model_not_found). Default: the model directory's name (or the Hugging "
+        "Face id), with the --model path accepted too, as vLLM names it; run-batch then does "
+        "not check body.model",
     )
     for f in _flagged_fields():
         meta = f.metadata

@@ -135,7 +135,7 @@ def _run_batch(args: argparse.Namespace, llm: Engine, input_path: Path, total: i
             model_name=served_model_names(args.model, served)[0],
             out=out,
             error_out=err_out,
-            served_model_names=served,
+            served_model_names=served and served_model_names(args.model, served),
             max_pending=4 * llm.engine_config.max_num_seqs,
             progress=progress,
         )

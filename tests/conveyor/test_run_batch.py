@@ -688,6 +688,27 @@ def make_batch_file(path: Path, n_lines: int = 200) -> tuple[set[str], dict[int,
     return good, bad
 
 
+def test_run_batch_answers_to_the_model_path_beside_its_served_name(tiny_model, tmp_path):
+    """The path given to --model is the name vLLM serves it under: accepted beside
+    --served-model-name, and the answers say the served name."""
+    infile, outfile = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [
+        completion_line("by-name", max_tokens=2),
+        completion_line("by-path", max_tokens=2, model=str(tiny_model)),
+        completion_line("other", max_tokens=2, model="other"),
+    ]
+    infile.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    proc = run_cli(
+        "run-batch", "-i", str(infile), "-o", str(outfile), "--model", str(tiny_model),
+        "--served-model-name", "m", *ENGINE_ARGS,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    by_id = {r["custom_id"]: r for r in read_jsonl(outfile)}
+    assert by_id["by-name"]["response"]["body"]["model"] == "m"
+    assert by_id["by-path"]["response"]["body"]["model"] == "m"
+    assert by_id["other"]["error"]["code"] == "model_not_found"
+
+
 def test_run_batch_round_trip(tiny_model: Path, tmp_path: Path) -> None:
     infile, outfile = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     good, bad = make_batch_file(infile)

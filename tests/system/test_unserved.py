@@ -12,20 +12,26 @@ import sqlalchemy as sa
 from conveyor.ledger.db import Ledger
 from conveyor.ledger.models import BatchRow
 from conveyor.ledger.serving import note_serving, unserved_models
-from conveyor.served_names import served_model_names
+from conveyor.served_names import is_path_alias, served_model_names
 from conveyor.settings import normalize_database_url
 from conveyor.testing import Stack, batch_lines, submit_batch, wait_for, write_jsonl
 from tests.system.test_metrics import scrape
 
 
-def test_a_model_directory_is_served_under_its_name(tmp_path: Path) -> None:
+def test_a_model_directory_is_served_under_its_name_and_its_path(tmp_path: Path) -> None:
+    """The directory's name first; the path as given (vLLM's name for it) as an alias that
+    the models list leaves out."""
     model = tmp_path / "checkpoints" / "Qwen3-0.6B"
     model.mkdir(parents=True)
-    assert served_model_names(str(model)) == ["Qwen3-0.6B"]
-    assert served_model_names(str(model) + "/") == ["Qwen3-0.6B"]
+    path = str(model)
+    assert served_model_names(path) == ["Qwen3-0.6B", path]
+    assert served_model_names(path + "/") == ["Qwen3-0.6B", path + "/", path]
     assert served_model_names("Qwen/Qwen3-0.6B") == ["Qwen/Qwen3-0.6B"]  # a hub id is a name
-    assert served_model_names(str(model), ["qwen3", "q", "qwen3"]) == ["qwen3", "q"]
-    assert served_model_names(str(model), [str(model)]) == [str(model)]  # asked for
+    assert served_model_names(path, ["qwen3", "q", "qwen3"]) == ["qwen3", "q", path]
+    assert served_model_names(path, [path]) == [path]  # asked for
+    names = served_model_names(path)
+    assert [n for n in names if not is_path_alias(n, names)] == ["Qwen3-0.6B"]
+    assert not is_path_alias(path, [path])  # the only name: listed
 
 
 def _batch(session, batch_id: str, model: str, status: str = "in_progress") -> None:
@@ -92,6 +98,13 @@ def test_a_batch_for_a_model_nobody_serves_says_so(
     served = submit_batch(api, write_jsonl(tmp_path / "ok.jsonl", batch_lines(2)))
     done = wait_for(api, served, timeout=120)
     assert done["status"] == "completed" and done["status_details"] is None
+    # the model's path, as vLLM names it, is served too, and not listed as a model
+    lines = batch_lines(2, model=str(chat_model))
+    by_path = submit_batch(api, write_jsonl(tmp_path / "path.jsonl", lines))
+    done = wait_for(api, by_path, timeout=120)
+    assert done["status"] == "completed" and done["status_details"] is None
+    listed = {m["id"] for m in httpx.get(f"{api}/v1/models").json()["data"]}
+    assert listed == {"tiny"}
 
     stack.start_worker("w2", chat_model, served="nobody")  # now someone serves it
     done = wait_for(api, batch_id, timeout=120)
