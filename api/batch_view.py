@@ -112,6 +112,7 @@ def _status_details(batch: BatchRow | Row[Any]) -> str | None:
         return None
     waited = int(time.time() - batch.unserved_since)
     return (
-        f"no live worker serves model {batch.model!r} (for {waited}s); the batch waits for "
-        "one until it expires: start a worker with this model or served model name"
+        f"no live worker serves model {batch.model!r} (for {waited}s); the batch fails with "
+        "model_not_found once it has waited CONVEYOR_UNSERVED_TIMEOUT: start a worker with this "
+        "model or served model name"
     )

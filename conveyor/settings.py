@@ -106,6 +106,14 @@ class Settings:
     reconcile_interval: float = setting(
         10.0, "CONVEYOR_RECONCILE_INTERVAL", "seconds between reconciler rounds"
     )
+    unserved_timeout: float = setting(
+        1800.0,
+        "CONVEYOR_UNSERVED_TIMEOUT",
+        "seconds a batch in progress waits for a live worker that serves its model (a name no "
+        "worker serves, or workers that never come back) before it fails with "
+        "`model_not_found`; the lines that ran keep their results. 0 waits until the batch's "
+        "completion window ends",
+    )
     affinity_backlog: int = setting(
         16,
         "CONVEYOR_AFFINITY_BACKLOG",
@@ -255,6 +263,11 @@ class Settings:
         if self.max_request_failures < 1:
             raise ValueError(
                 f"CONVEYOR_MAX_REQUEST_FAILURES must be at least 1, got {self.max_request_failures}"
+            )
+        if not 0 <= self.unserved_timeout < float("inf"):
+            raise ValueError(
+                f"CONVEYOR_UNSERVED_TIMEOUT must be a number of seconds >= 0, got "
+                f"{self.unserved_timeout}"
             )
         if self.max_shard_attempts < 1:
             raise ValueError(

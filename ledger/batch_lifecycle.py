@@ -17,7 +17,7 @@ from conveyor.ledger.intake import store_requests
 from conveyor.ledger.models import BatchRow, FileRow, RequestRow, ResultRow, ShardRow
 from conveyor.ledger.results import close_unfinished
 from conveyor.ledger.states import CANCELLABLE, BatchStatus, ShardStatus
-from conveyor.wire_format.errors import BATCH_CANCELLED, BATCH_EXPIRED
+from conveyor.wire_format.errors import BATCH_CANCELLED, BATCH_EXPIRED, MODEL_NOT_FOUND
 from conveyor.wire_format.validation import Validation
 
 _batches, _shards = BatchRow.__table__, ShardRow.__table__
@@ -146,6 +146,31 @@ def _expire(session: Session, batch: BatchRow, now: float) -> str:
         session, batch.id, BATCH_EXPIRED, "the batch expired before this request was run"
     )
     batch.status, batch.expired_at = BatchStatus.EXPIRED, int(now)
+    _write_files(session, batch)
+    _stop_shards(session, batch.id)
+    return batch.status
+
+
+def fail_unserved(session: Session, batch_id: str, timeout: float) -> str | None:
+    """Fail an in-progress batch whose model no live worker has served for `timeout` seconds:
+    each request without a result gets a `model_not_found` error line (those that ran keep
+    theirs), and the batch fails with that error. Returns the new status, or None."""
+    batch = lock_batch(session, batch_id)
+    now = time.time()
+    if (
+        batch is None
+        or batch.status != BatchStatus.IN_PROGRESS
+        or batch.unserved_since is None
+        or now - batch.unserved_since < timeout
+    ):
+        return None
+    message = (
+        f"no live worker served model {batch.model!r} for {int(now - batch.unserved_since)} s "
+        "(CONVEYOR_UNSERVED_TIMEOUT); the models served are listed by GET /v1/models"
+    )
+    close_unfinished(session, batch.id, MODEL_NOT_FOUND, message, status_code=404)
+    batch.status, batch.failed_at = BatchStatus.FAILED, int(now)
+    batch.errors = [{"code": MODEL_NOT_FOUND, "message": message, "param": "model", "line": None}]
     _write_files(session, batch)
     _stop_shards(session, batch.id)
     return batch.status

@@ -43,6 +43,18 @@ def unserved_models(session: Session) -> Counter[str]:
     return Counter(model or "" for model in rows)
 
 
+def unserved_for(session: Session, seconds: float) -> list[str]:
+    """The in-progress batches whose model no live worker has served for `seconds`."""
+    return list(
+        session.execute(
+            select(BatchRow.id).where(
+                BatchRow.status == BatchStatus.IN_PROGRESS,
+                BatchRow.unserved_since <= time.time() - seconds,
+            )
+        ).scalars()
+    )
+
+
 def note_new_batch(batch: BatchRow, served: bool) -> None:
     """A batch just opened is noted at once, not at the next reconcile, when no live worker
     serves its model."""

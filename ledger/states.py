@@ -3,6 +3,7 @@ here, and changed only by `ledger.batch_lifecycle` and `ledger.shard_lifecycle`.
 
     validating -> in_progress -> finalizing -> completed
     validating -> failed
+    in_progress -> failed (no live worker served its model for CONVEYOR_UNSERVED_TIMEOUT)
     in_progress -> expired
     validating | in_progress -> cancelling -> cancelled
 """

@@ -23,9 +23,9 @@ from conveyor.dispatch.broker import live_task_ids
 from conveyor.dispatch.celery_app import send_shards
 from conveyor.dispatch.queues import is_redis_url, queue_for
 from conveyor.dispatch.routing import Router
-from conveyor.ledger.batch_lifecycle import advance, batches_with_status
+from conveyor.ledger.batch_lifecycle import advance, batches_with_status, fail_unserved
 from conveyor.ledger.db import Ledger
-from conveyor.ledger.serving import note_serving
+from conveyor.ledger.serving import note_serving, unserved_for
 from conveyor.ledger.shard_lifecycle import mark_enqueued, shards_to_enqueue
 from conveyor.ledger.states import BatchStatus
 from conveyor.ledger.workers import workers_by_queue
@@ -58,6 +58,14 @@ def _reconcile(ledger: Ledger, app: Celery, settings: Settings) -> ReconcileRepo
     with ledger.session() as session:
         workers = workers_by_queue(session, settings.heartbeat_timeout)
         note_serving(session, lambda model: queue_for(model) in workers)
+    if settings.unserved_timeout:
+        with ledger.session() as session:
+            overdue = unserved_for(session, settings.unserved_timeout)
+        for batch_id in overdue:
+            with ledger.session() as session:
+                if fail_unserved(session, batch_id, settings.unserved_timeout):
+                    log.warning("batch %s failed: no live worker served its model", batch_id)
+                    report.finalized += 1
     grace = max(5.0, settings.heartbeat_timeout)
     names = {w for names in workers.values() for w in names}
 

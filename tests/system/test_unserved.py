@@ -111,3 +111,25 @@ def test_a_batch_for_a_model_nobody_serves_says_so(
     assert done["status"] == "completed" and done["status_details"] is None
     assert done["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
     assert httpx.get(f"{api}/readyz").json()["unserved_models"] == {}
+
+
+def test_a_batch_whose_model_stays_unserved_fails_with_model_not_found(
+    stack: Stack, chat_model: Path, tmp_path: Path
+) -> None:
+    """A model name no worker serves (a typo, a worker that never comes) fails the batch after
+    CONVEYOR_UNSERVED_TIMEOUT instead of its whole completion window; a served batch beside it
+    is not touched."""
+    stack.env["CONVEYOR_UNSERVED_TIMEOUT"] = "2"
+    api = stack.start_api()
+    stack.start_worker("w1", chat_model)  # serves "tiny" only
+    lost = submit_batch(api, write_jsonl(tmp_path / "in.jsonl", batch_lines(3, model="qwne3")))
+    served = submit_batch(api, write_jsonl(tmp_path / "ok.jsonl", batch_lines(2)))
+    failed = wait_for(api, lost, timeout=60)
+    assert failed["status"] == "failed" and failed["failed_at"] is not None
+    (error,) = failed["errors"]["data"]
+    assert error["code"] == "model_not_found" and "'qwne3'" in error["message"]
+    assert failed["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
+    lines = httpx.get(f"{api}/v1/files/{failed['error_file_id']}/content").text.splitlines()
+    assert len(lines) == 3
+    assert all('"model_not_found"' in line for line in lines)
+    assert wait_for(api, served, timeout=120)["status"] == "completed"
