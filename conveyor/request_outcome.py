@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor.engine.errors import (
+    ChatTemplateError,
     ContextLengthError,
     InvalidPromptError,
     InvalidRequestError,
@@ -105,15 +106,19 @@ def prepare_request(llm: Engine, request: ParsedRequest) -> tuple[str | list[int
         assert request.prompt is not None
         return request.prompt, params
     try:
-        return llm.apply_chat_template(request.messages or []), params
-    except Exception as err:  # template errors come in many exception types
+        prompt = llm.apply_chat_template(
+            request.messages or [], chat_template_kwargs=request.chat_template_kwargs
+        )
+    except Exception as err:  # the engine's ChatTemplateError, or what a template raised
+        kwargs = getattr(err, "field", None) == "chat_template_kwargs"
         raise RequestError(
-            f"could not apply the chat template: {err}",
+            str(err) if isinstance(err, ChatTemplateError) else f"the chat template: {err}",
             code=CHAT_TEMPLATE_ERROR,
             line=request.line,
             custom_id=request.custom_id,
-            param="body.messages",
+            param="body.chat_template_kwargs" if kwargs else "body.messages",
         ) from None
+    return prompt, params
 
 
 # ---- batch lines ------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ a value (argparse's `type`, `metavar`, `choices`). Torch-free: `dtype`, `device`
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,17 @@ def parse_size(text: str) -> int:
     value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
     if value <= 0:
         raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object from the command line, e.g. '{"enable_thinking": false}'."""
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"want a JSON object, got {text!r}")
     return value
 
 
@@ -149,6 +161,19 @@ class EngineConfig:
         "vLLM's default) or vllm (the OpenAI API's defaults, whatever the checkpoint ships; "
         "default auto)",
         choices=GENERATION_CONFIGS,
+    )
+    chat_template: str | None = _option(
+        None,
+        "the chat template, as a Jinja file or the template's text, instead of the "
+        "checkpoint's (default: the checkpoint's)",
+        metavar="TEMPLATE",
+    )
+    default_chat_template_kwargs: dict[str, Any] | None = _option(
+        None,
+        "variables every chat template render gets unless a request's chat_template_kwargs "
+        "sets them, as a JSON object, e.g. '{\"enable_thinking\": false}' (default: none)",
+        type=json_object,
+        metavar="JSON",
     )
     grammar_timeout: float = _option(
         10.0,

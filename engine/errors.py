@@ -53,6 +53,12 @@ class StructuredOutputError(InvalidRequestError):
         super().__init__(message, STRUCTURED_OUTPUTS)
 
 
+class ChatTemplateError(InvalidRequestError):
+    """A conversation the chat template cannot render (the template raised, or a request's
+    `chat_template_kwargs` sets a name the server sets itself); the message names the
+    template."""
+
+
 @dataclass(frozen=True)
 class RequestFailure:
     """Why the engine gave up on one request alone: the request's own fault, of `kind` (a

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -11,7 +12,7 @@ from conveyor.engine.llm_engine import LLMEngine, Prompt
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.sampling_params import SamplingParams
 
-Message = dict[str, str]
+Message = dict[str, Any]
 
 
 class LLM(LLMEngine):
@@ -60,19 +61,26 @@ class LLM(LLMEngine):
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation and generate replies."""
+        """Apply the chat template to each conversation and generate replies."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = [
+            self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs)
+            for c in conversations
+        ]
         return self.generate(prompts, params, use_tqdm)
 
     def apply_chat_template(
-        self, conversation: list[Message], add_generation_prompt: bool = True
+        self,
+        conversation: list[Message],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
-        text = self.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+        """The conversation rendered by the chat template (`--chat-template`, else the
+        checkpoint's), with `chat_template_kwargs` over the server's defaults, tokenized."""
+        text = self.chat_template.render(
+            self.tokenizer, conversation, add_generation_prompt, chat_template_kwargs
         )
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from conveyor.engine.block_manager import BlockManager
+from conveyor.engine.chat_template import ChatTemplate
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.cpu_memory import reuse_large_allocations
 from conveyor.engine.cuda_graphs import cuda_capture
@@ -143,6 +144,10 @@ class LLMEngine:
         self.dtype = resolve_dtype(self.engine_config.dtype, config_dtype(hf_config), self.device)
         self.tokenizer = load_tokenizer(path)
         self.eos_token_ids = eos_token_ids(path, hf_config, self.tokenizer)
+        c = self.engine_config
+        self.chat_template = ChatTemplate.load(
+            c.chat_template, c.default_chat_template_kwargs, path
+        )
         # what a request that omits a sampling field gets (`get_default_sampling_params`)
         self.default_sampling: dict[str, Any] = (
             default_sampling(path) if self.engine_config.generation_config == "auto" else {}

@@ -39,4 +39,9 @@ class Engine(Protocol):
 
     def stats(self) -> Any: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str | list[int]: ...
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str | list[int]: ...

@@ -47,8 +47,17 @@ class EchoEngine:
         self.plan = None
         self.default_sampling: dict[str, Any] = {}  # no checkpoint, no defaults of its own
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        return "\n".join(f"{m.get('role')}: {m.get('content') or ''}" for m in messages)
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The messages as lines, then the template variables asked for (so a test sees
+        them arrive)."""
+        lines = [f"{m.get('role')}: {m.get('content') or ''}" for m in messages]
+        lines += [f"{k}={v}" for k, v in sorted((chat_template_kwargs or {}).items())]
+        return "\n".join(lines)
 
     def add_request(
         self,

@@ -279,6 +279,8 @@ class ChatCompletionBody(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
     modalities: list[Literal["text"]] | None = None  # text is what a chat model answers in
     parallel_tool_calls: Any = None  # accepted without effect (see fields.py)
+    # variables for the chat template (vLLM's extension), e.g. {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         kwargs = self.common_sampling_kwargs()

@@ -52,6 +52,7 @@ class ParsedRequest:
     echo: bool = False  # completions: prepend the prompt (and its logprobs) to each choice
     drop_generation: bool = False  # completions `max_tokens: 0`: report the prompt only
     top_logprobs: int | None = None  # chat: alternatives per token when logprobs were asked
+    chat_template_kwargs: dict[str, Any] | None = None  # chat: the template's variables
     line: int | None = None
 
     @property
@@ -300,6 +301,7 @@ def _chat_request(
         sampling=parsed.sampling_kwargs(),
         messages=parsed.message_dicts(),
         top_logprobs=(parsed.top_logprobs or 0) if parsed.logprobs else None,
+        chat_template_kwargs=parsed.chat_template_kwargs,
         line=where.number,
     )
 

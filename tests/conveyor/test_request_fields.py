@@ -99,6 +99,10 @@ HONOURED: dict[Any, tuple[dict[str, Any], Callable[[ParsedRequest], bool]]] = {
     "skip_special_tokens": ({"skip_special_tokens": False}, sampling(skip_special_tokens=False)),
     "repetition_penalty": ({"repetition_penalty": 1.3}, sampling(repetition_penalty=1.3)),
     "allowed_token_ids": ({"allowed_token_ids": [3, 4]}, sampling(allowed_token_ids=[3, 4])),
+    "chat_template_kwargs": (
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        lambda r: r.chat_template_kwargs == {"enable_thinking": False},
+    ),
     "structured_outputs": (
         {"structured_outputs": {"choice": ["a", "b"]}},
         sampling(structured_outputs={"choice": ["a", "b"]}),

@@ -210,3 +210,14 @@ def test_an_output_with_an_error_answers_by_its_kind(served, error, status, para
     assert answer["status"] == status
     assert answer["body"]["error"]["param"] == param
     assert "IndexError" not in answer["body"]["error"]["message"]
+
+
+def test_a_chats_template_variables_reach_the_template(served):
+    """`chat_template_kwargs` of an online chat render its prompt (the echo engine writes the
+    variables after the messages)."""
+    bus, service, _ = served
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+    bus.send(QUEUE, OnlineMessage("chat", body, time.time() + 60))
+    wait_until(lambda: service.jobs)
+    assert service.jobs[0].prompt == "user: hi\nenable_thinking=False"
