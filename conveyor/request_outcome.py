@@ -39,6 +39,7 @@ from conveyor.wire_format.errors import (
     INVALID_SAMPLING_PARAMS,
     RequestError,
 )
+from conveyor.wire_format.reasoning import PARSERS
 from conveyor.wire_format.request_line import ParsedRequest, peek_custom_id
 from conveyor.wire_format.result_lines import (
     build_error_line,
@@ -118,6 +119,9 @@ def prepare_request(llm: Engine, request: ParsedRequest) -> tuple[str | list[int
             custom_id=request.custom_id,
             param="body.chat_template_kwargs" if kwargs else "body.messages",
         ) from None
+    thinking_off = (request.chat_template_kwargs or {}).get("enable_thinking") is False
+    if llm.reasoning_parser is not None and not thinking_off:
+        request.reasoning = PARSERS[llm.reasoning_parser]
     return prompt, params
 
 

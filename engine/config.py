@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 ADMISSION_POLICIES = ("cache_aware", "fcfs")
 GENERATION_CONFIGS = ("auto", "vllm")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # conveyor.wire_format.reasoning.PARSERS
 
 _SIZE_UNITS = {
     "": 1,
@@ -174,6 +175,13 @@ class EngineConfig:
         "sets them, as a JSON object, e.g. '{\"enable_thinking\": false}' (default: none)",
         type=json_object,
         metavar="JSON",
+    )
+    reasoning_parser: str | None = _option(
+        None,
+        "split a reasoning model's thinking from its answer in chat responses: qwen3 (an "
+        "output that opens a <think> block) or deepseek_r1 (the output starts inside it); the "
+        "thinking goes to reasoning_content and reasoning (default: not split)",
+        choices=REASONING_PARSERS,
     )
     grammar_timeout: float = _option(
         10.0,

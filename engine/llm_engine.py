@@ -148,6 +148,7 @@ class LLMEngine:
         self.chat_template = ChatTemplate.load(
             c.chat_template, c.default_chat_template_kwargs, path
         )
+        self.reasoning_parser = c.reasoning_parser  # used by the service's chat responses
         # what a request that omits a sampling field gets (`get_default_sampling_params`)
         self.default_sampling: dict[str, Any] = (
             default_sampling(path) if self.engine_config.generation_config == "auto" else {}

@@ -18,6 +18,7 @@ class Engine(Protocol):
     plan: Any  # how each piece of a step runs (`device_plan.DevicePlan`), None where none
     # the sampling a request that omits a field gets (the checkpoint's generation_config.json)
     default_sampling: dict[str, Any]
+    reasoning_parser: str | None  # the markers of its thinking (`--reasoning-parser`)
 
     def add_request(
         self,

@@ -46,6 +46,7 @@ class EchoEngine:
         self.vocab_size: int | None = None
         self.plan = None
         self.default_sampling: dict[str, Any] = {}  # no checkpoint, no defaults of its own
+        self.reasoning_parser: str | None = None
 
     def apply_chat_template(
         self,

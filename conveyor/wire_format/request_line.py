@@ -36,6 +36,7 @@ from conveyor.wire_format.fields import (
     refused_field,
     without_empty_unsupported,
 )
+from conveyor.wire_format.reasoning import ReasoningParser
 from conveyor.wire_format.text import MAX_JSON_DEPTH, check_body_text, path_text
 
 
@@ -53,6 +54,9 @@ class ParsedRequest:
     drop_generation: bool = False  # completions `max_tokens: 0`: report the prompt only
     top_logprobs: int | None = None  # chat: alternatives per token when logprobs were asked
     chat_template_kwargs: dict[str, Any] | None = None  # chat: the template's variables
+    # chat: how its answer is split from its thinking (set by the worker, from the model's
+    # --reasoning-parser), None: not split
+    reasoning: ReasoningParser | None = None
     line: int | None = None
 
     @property

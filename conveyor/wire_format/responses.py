@@ -8,6 +8,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from conveyor.wire_format.reasoning import reasoning_tokens
 from conveyor.wire_format.request_line import ParsedRequest
 from conveyor.wire_format.token_text import TokenDecoder
 
@@ -119,27 +120,38 @@ def chat_completion_body(
 ) -> dict[str, Any]:
     """A `chat.completion` object from an engine `RequestOutput`."""
     choices = []
-    completion_tokens = 0
+    completion_tokens = thinking_tokens = 0
     for comp in sorted(output.outputs, key=lambda c: c.index):
         completion_tokens += len(comp.token_ids)
         logprobs = None
         if request.top_logprobs is not None:
             logprobs = chat_logprobs(comp.token_ids, comp.logprobs, request.top_logprobs, decoder)
+        message: dict[str, Any] = {"role": "assistant", "content": comp.text, "refusal": None}
+        if request.reasoning is not None:
+            thinking, message["content"] = request.reasoning.split(comp.text)
+            # both names: vLLM's newest server says `reasoning`, SGLang `reasoning_content`
+            message["reasoning_content"] = message["reasoning"] = thinking
+            thinking_tokens += reasoning_tokens(
+                request.reasoning, comp.token_ids, decoder.tokenizer, thinking
+            )
         choices.append(
             {
                 "index": comp.index,
-                "message": {"role": "assistant", "content": comp.text, "refusal": None},
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": comp.finish_reason,
             }
         )
+    usage = _usage(output, completion_tokens)
+    if request.reasoning is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": thinking_tokens}
     return {
         "id": f"chatcmpl-{new_id()}",
         "object": "chat.completion",
         "created": int(time.time()) if created is None else created,
         "model": model,
         "choices": choices,
-        "usage": _usage(output, completion_tokens),
+        "usage": usage,
         "system_fingerprint": None,
     }
 
@@ -217,4 +229,9 @@ def merged_body(bodies: list[dict[str, Any]], n: int) -> dict[str, Any]:
             usage[key] += body["usage"][key]
         cached += body["usage"]["prompt_tokens_details"]["cached_tokens"]
     merged["usage"] = {**usage, "prompt_tokens_details": {"cached_tokens": cached}}
+    thinking = [b["usage"]["completion_tokens_details"] for b in bodies
+                if "completion_tokens_details" in b["usage"]]  # fmt: skip
+    if thinking:
+        reasoning = sum(d["reasoning_tokens"] for d in thinking)
+        merged["usage"]["completion_tokens_details"] = {"reasoning_tokens": reasoning}
     return merged

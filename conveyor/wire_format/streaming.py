@@ -20,7 +20,8 @@ from conveyor.wire_format.token_text import TokenDecoder
 @dataclass
 class _Sent:
     tokens: int = 0
-    chars: int = 0
+    chars: int = 0  # of the text (of the answer, where the thinking is split from it)
+    thinking: int = 0  # chars of the thinking
     started: bool = False
 
 
@@ -52,15 +53,22 @@ class ChunkStream:
             sent = self.sent.setdefault(index, _Sent())
             finished = output.finished or comp.finish_reason is not None
             text = comp.text if finished else _final_part(comp.text, request)
+            thinking = ""
+            if self.chat and request.reasoning is not None:
+                split, text = request.reasoning.split(text, finished)
+                thinking = (split or "")[sent.thinking :]
             new_text = text[sent.chars :]
-            new_ids = list(comp.token_ids[sent.tokens :]) if finished or new_text else []
+            new_ids = (
+                list(comp.token_ids[sent.tokens :]) if finished or new_text or thinking else []
+            )
             new_lps = list((comp.logprobs or [])[sent.tokens : sent.tokens + len(new_ids)])
             if not sent.started:
                 chunks.append(self._first(index, request, output))
                 sent.started = True
             if new_text or new_ids:
-                chunks.append(self._delta(index, request, new_text, new_ids, new_lps))
+                chunks.append(self._delta(index, request, new_text, new_ids, new_lps, thinking))
                 sent.chars, sent.tokens = len(text), sent.tokens + len(new_ids)
+                sent.thinking += len(thinking)
             if finished:
                 chunks.append(self._end(index, comp.finish_reason))
         return chunks
@@ -96,15 +104,24 @@ class ChunkStream:
         return self._choice(index, text=text, logprobs=logprobs, finish_reason=None)
 
     def _delta(
-        self, index: int, request: ParsedRequest, text: str, ids: list[int], lps: list
+        self,
+        index: int,
+        request: ParsedRequest,
+        text: str,
+        ids: list[int],
+        lps: list,
+        thinking: str = "",
     ) -> dict[str, Any]:
         if self.chat:
             logprobs = None
             if request.top_logprobs is not None:
                 logprobs = chat_logprobs(ids, lps, request.top_logprobs, self.decoder)
-            return self._choice(
-                index, delta={"content": text}, logprobs=logprobs, finish_reason=None
-            )
+            delta: dict[str, Any] = {}
+            if thinking:  # both names, as in the whole message
+                delta["reasoning_content"] = delta["reasoning"] = thinking
+            if text or not thinking:
+                delta["content"] = text
+            return self._choice(index, delta=delta, logprobs=logprobs, finish_reason=None)
         logprobs = None
         if "logprobs" in request.sampling:
             logprobs = completion_logprobs(ids, lps + [None] * (len(ids) - len(lps)), self.decoder)

@@ -27,6 +27,7 @@ LINE = {
 class Engine:  # what preparing a completion asks of an engine: nothing but being there
     tokenizer = None
     default_sampling: dict = {}
+    reasoning_parser = None
 
 
 def parse(raw, line):

@@ -14,7 +14,7 @@ import pytest
 
 from conveyor.dispatch.online import LocalBus, OnlineMessage
 from conveyor.engine.errors import InvalidPromptError, InvalidSamplingParamsError, RequestFailure
-from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.wire_format.token_text import TokenDecoder
 from conveyor.worker.echo import EchoEngine
 from conveyor.worker.engine_service import EngineJob
@@ -221,3 +221,25 @@ def test_a_chats_template_variables_reach_the_template(served):
     bus.send(QUEUE, OnlineMessage("chat", body, time.time() + 60))
     wait_until(lambda: service.jobs)
     assert service.jobs[0].prompt == "user: hi\nenable_thinking=False"
+
+
+class Thinking(ModelLike):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reasoning_parser = "deepseek_r1"
+
+
+@pytest.mark.parametrize("served", [Thinking()], indirect=True)
+def test_an_online_chat_answers_with_its_thinking_apart(served):
+    bus, service, _ = served
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    message = OnlineMessage("chat", body, time.time() + 60)
+    bus.send(QUEUE, message)
+    wait_until(lambda: service.jobs)
+    job = service.jobs[0]
+    comp = CompletionOutput(0, "two and two</think>4", [5, 6, 7], None, None, "stop")
+    job.on_done(RequestOutput(job.request_id, None, [1], None, [comp], finished=True))
+    answer = answer_of(bus, message)
+    choice = answer["body"]["choices"][0]["message"]
+    assert (choice["content"], choice["reasoning"]) == ("4", "two and two")
+    assert answer["body"]["usage"]["completion_tokens_details"]["reasoning_tokens"] == 3
