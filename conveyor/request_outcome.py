@@ -99,8 +99,16 @@ def engine_error(
 def prepare_request(llm: Engine, request: ParsedRequest) -> tuple[str | list[int], SamplingParams]:
     """The engine prompt and sampling params of a parsed line, the fields it leaves out
     filled from the model's defaults (`Engine.default_sampling`). Raises `RequestError`."""
+    thinking_off = (request.chat_template_kwargs or {}).get("enable_thinking") is False
+    if request.is_chat and llm.reasoning_parser is not None and not thinking_off:
+        request.reasoning = PARSERS[llm.reasoning_parser]
+    sampling = {**llm.default_sampling, **request.sampling}
+    if request.reasoning is not None and sampling.get("structured_outputs"):
+        # the answer is constrained, after the thinking, as vLLM does
+        after = {"after": request.reasoning.end}
+        sampling["structured_outputs"] = {**sampling["structured_outputs"], **after}
     try:
-        params = SamplingParams(**{**llm.default_sampling, **request.sampling})
+        params = SamplingParams(**sampling)
     except InvalidRequestError as err:
         raise engine_error(err, request, f"line {request.line}") from None
     if not request.is_chat:
@@ -119,9 +127,6 @@ def prepare_request(llm: Engine, request: ParsedRequest) -> tuple[str | list[int
             custom_id=request.custom_id,
             param="body.chat_template_kwargs" if kwargs else "body.messages",
         ) from None
-    thinking_off = (request.chat_template_kwargs or {}).get("enable_thinking") is False
-    if llm.reasoning_parser is not None and not thinking_off:
-        request.reasoning = PARSERS[llm.reasoning_parser]
     return prompt, params
 
 

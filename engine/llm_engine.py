@@ -24,6 +24,7 @@ from conveyor.engine.errors import (
     ContextLengthError,
     InvalidPromptError,
     InvalidSamplingParamsError,
+    StructuredOutputError,
 )
 from conveyor.engine.loader import (
     config_dtype,
@@ -297,6 +298,7 @@ class LLMEngine:
         long_rope = self.runner.model.long_rope
         seq.rope_long = long_rope is not None and long_rope.is_long(len(token_ids))
         request.seqs.append(seq)
+        request.constraint_after = self._constraint_after(params)
         self.requests[request_id] = request
         if params.structured_outputs is None:
             self.scheduler.add(seq)
@@ -388,6 +390,25 @@ class LLMEngine:
                 f"samples run together, got {params.n}",
                 "n",
             )
+
+    def _constraint_after(self, params: SamplingParams) -> tuple[int, ...] | None:
+        """The token ids of the text a request's constraint starts after, if it has one."""
+        after = params.structured_outputs and params.structured_outputs.after
+        if not after:
+            return None
+        if self.tokenizer is None:
+            raise StructuredOutputError(
+                "structured_outputs after needs the model's tokenizer, and it has none"
+            )
+        return tuple(self.tokenizer.encode(after, add_special_tokens=False))
+
+    def _give_matcher(self, seq: Sequence, request: Request) -> None:
+        """A fresh matcher for `seq`, kept aside until its output reaches the text the
+        constraint starts after, if it has one."""
+        if request.constraint_after:
+            seq.deferred_matcher = self._matcher(request)
+        else:
+            seq.matcher = self._matcher(request)
 
     def _matcher(self, request: Request) -> Any:
         return None if request.grammar is None else self.structured_outputs.matcher(request.grammar)
@@ -638,7 +659,7 @@ class LLMEngine:
                 self._generator(request.params, index),
             )
             child.rope_long = parent.rope_long
-            child.matcher = self._matcher(request)
+            self._give_matcher(child, request)
             self.block_manager.fork(parent, child)
             self.scheduler.add_running(child)
             request.seqs.append(child)
@@ -680,7 +701,7 @@ class LLMEngine:
                 continue
             request.grammar = compiled
             for seq in request.seqs:
-                seq.matcher = self._matcher(request)
+                self._give_matcher(seq, request)
                 self.scheduler.add(seq)
         return failed
 

@@ -38,6 +38,10 @@ class OutputProcessor:
             if seq.matcher.is_stopped():
                 seq.finish_reason = "stop"
                 return
+        elif seq.deferred_matcher is not None:
+            after = seq.request.constraint_after or ()
+            if tuple(seq.output_token_ids[-len(after) :]) == after:  # the constraint starts
+                seq.matcher, seq.deferred_matcher = seq.deferred_matcher, None
         self._check_stop(seq, token)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:

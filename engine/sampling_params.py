@@ -34,8 +34,13 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    # the constraint starts after this text in the output, which is free up to it: a reasoning
+    # model's end of thinking ("</think>"), so that only the answer is constrained (vLLM's way)
+    after: str | None = None
 
     def __post_init__(self) -> None:
+        if self.after is not None and (not isinstance(self.after, str) or not self.after):
+            raise StructuredOutputError("structured_outputs after must be a non-empty string")
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
         kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]

@@ -46,6 +46,9 @@ class Sequence:
     text: str = ""  # detokenized output, kept only when stop strings must be checked
     arrival_time: float = 0.0  # when it (last) joined the waiting queue, scheduler clock
     matcher: Any = None  # its structured output's grammar state, if the request has one
+    # the grammar state kept aside while the output is free: before the text the constraint
+    # starts after (`StructuredOutputsParams.after`) has come
+    deferred_matcher: Any = None
     prompt_token_set: torch.Tensor | None = None  # distinct prompt ids (repetition penalty)
     rope_long: bool = False  # computed with LongRoPE's long factors (`layers.LongRope`)
 
@@ -79,6 +82,7 @@ class Request:
     prompt_entries: list[LogprobEntry | None] | None = None
     num_cached_tokens: int | None = None  # prompt tokens served from the cache on first admission
     grammar: Any = None  # the compiled structured output constraint, if any
+    constraint_after: tuple[int, ...] | None = None  # the ids of `structured_outputs.after`
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     @property

@@ -106,3 +106,14 @@ def test_the_engine_option_names_every_parser():
     from conveyor.engine.config import REASONING_PARSERS
 
     assert set(REASONING_PARSERS) == set(PARSERS)
+
+
+def test_a_reasoning_chats_structured_output_starts_after_the_thinking():
+    engine = EchoEngine()
+    engine.reasoning_parser = "qwen3"
+    request = chat_request(None, response_format={"type": "json_object"})
+    _, params = prepare_request(engine, request)
+    assert params.structured_outputs.json_object and params.structured_outputs.after == "</think>"
+    off = chat_request(None, response_format={"type": "json_object"},
+                       chat_template_kwargs={"enable_thinking": False})  # fmt: skip
+    assert prepare_request(engine, off)[1].structured_outputs.after is None

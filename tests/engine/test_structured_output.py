@@ -194,3 +194,26 @@ def test_choice_must_be_non_empty_and_one_kind_at_a_time():
         StructuredOutputsParams(choice=[])
     with pytest.raises(ValueError, match="ignore_eos"):
         SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputsParams(regex="a"))
+
+
+def test_a_constraint_after_a_marker_leaves_the_text_before_it_free(llm):
+    """A reasoning model's thinking is free and its answer constrained: the constraint starts
+    after `after` (here a token the unconstrained greedy output makes, standing for
+    `</think>`), the tokens up to it are the free ones, and what follows is a choice."""
+    prompt = random_prompts(2, 12, 12, seed=21)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    free = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    marks = [k for k in range(1, len(free)) if free[k] not in free[:k]
+             and llm.tokenizer.encode(llm.tokenizer.decode([free[k]]),
+                                      add_special_tokens=False) == [free[k]]]  # fmt: skip
+    k = marks[0]
+    so = StructuredOutputsParams(choice=["yes", "no"], after=llm.tokenizer.decode([free[k]]))
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=so)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[: k + 1] == free[: k + 1]
+    assert llm.tokenizer.decode(out.token_ids[k + 1 :]) in ("yes", "no")
+    assert out.finish_reason == "stop"
+    # without it the whole output is the choice
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    whole = SamplingParams(temperature=0, max_tokens=40, structured_outputs=choice)
+    assert llm.generate([prompt], whole, use_tqdm=False)[0].outputs[0].text in ("yes", "no")
