@@ -32,6 +32,7 @@ from conveyor.api.online_limits import check_prompt_count, check_rate, check_seq
 from conveyor.dispatch.online import AnswerTimeout, OnlineMessage, online_queue
 from conveyor.dispatch.queues import queue_for
 from conveyor.ledger.workers import served_models
+from conveyor.served_names import is_path_alias
 from conveyor.wire_format.bodies import CHAT_URL, COMPLETIONS_URL, DetokenizeBody, TokenizeBody
 from conveyor.wire_format.errors import (
     INVALID_REQUEST,
@@ -180,14 +181,16 @@ async def _queue_of(state: AppState, model: str | None) -> str:
     worker serves or served, 503 for one whose workers are all gone."""
     live, known = await run_in_threadpool(_served_models, state)
     if model is None:
-        if len(live) != 1:
+        names = sorted(live)
+        listed = [name for name in names if not is_path_alias(name, names)]  # as /v1/models
+        if len(listed) != 1:
             raise APIError(
                 400,
-                f"say which model: {len(live)} are served ({', '.join(sorted(live)) or 'none'})",
+                f"say which model: {len(listed)} are served ({', '.join(listed) or 'none'})",
                 code=INVALID_REQUEST,
                 param="model",
             )
-        model = next(iter(live))
+        model = listed[0]
     queue = online_queue(queue_for(model))
     in_process = state.online.has_consumer(queue)  # None: the bus reaches other processes
     if model in live and in_process is not False:

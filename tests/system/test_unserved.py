@@ -105,6 +105,8 @@ def test_a_batch_for_a_model_nobody_serves_says_so(
     assert done["status"] == "completed" and done["status_details"] is None
     listed = {m["id"] for m in httpx.get(f"{api}/v1/models").json()["data"]}
     assert listed == {"tiny"}
+    # a request that names no model goes to the one listed, the alias not counted as another
+    assert httpx.get(f"{api}/tokenizer_info").status_code == 200
 
     stack.start_worker("w2", chat_model, served="nobody")  # now someone serves it
     done = wait_for(api, batch_id, timeout=120)
