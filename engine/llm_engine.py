@@ -631,7 +631,9 @@ class LLMEngine:
         """A sequence that grows past LongRoPE's original length computes its KV again, all of
         it on the long factors, as transformers' `generate` does."""
         long_rope = self.runner.model.long_rope
-        if long_rope is None or seq.rope_long or not long_rope.is_long(seq.num_tokens):
+        if long_rope is None or seq.rope_long or seq.is_finished:
+            return  # (a sample that ended beside its request's others needs nothing more)
+        if not long_rope.is_long(seq.num_tokens):
             return
         self.scheduler.recompute(seq)
         seq.rope_long = True
