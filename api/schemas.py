@@ -179,7 +179,7 @@ class Model(BaseModel):
     created: int
     owned_by: str = "conveyor"
     workers: int = Field(description="live workers serving this model")
-    default_sampling: dict[str, float] = Field(
+    default_sampling: dict[str, int | float] = Field(
         default_factory=dict,
         description="the sampling a request that leaves a field out gets: the checkpoint's "
         "generation_config.json values (temperature, top_p, top_k, min_p, repetition_penalty), "
@@ -268,7 +268,7 @@ class Worker(BaseModel):
     preemptions: int | None = None
     running_shards: int = Field(description="shards this worker holds now")
     plan: EnginePlan | None = Field(default=None, description="how its engine runs each piece")
-    default_sampling: dict[str, float] = Field(
+    default_sampling: dict[str, int | float] = Field(
         default_factory=dict,
         description="what its requests get for a sampling field they leave out (the "
         "checkpoint's generation_config.json)",

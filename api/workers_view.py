@@ -73,7 +73,7 @@ def _worker(row: WorkerRow, running_shards: int) -> schemas.Worker:
     )
 
 
-def default_sampling(stats: dict[str, Any] | None) -> dict[str, float]:
+def default_sampling(stats: dict[str, Any] | None) -> dict[str, int | float]:
     """The sampling a worker's requests get for what they leave out, as its heartbeat wrote it
     (a worker of another version may have written none, or something else)."""
     value = (stats or {}).get("default_sampling")
