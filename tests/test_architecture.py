@@ -456,3 +456,33 @@ def test_only_a_comment_says_why_a_function_is_long(tmp_path: Path, monkeypatch)
     found = long_functions()
     assert "conveyor.planted.f (71 lines)" in found
     assert not any(name.startswith("conveyor.planted.g") for name in found)
+
+
+def test_every_third_party_import_is_a_declared_dependency() -> None:
+    """What the package imports, it declares (in its dependencies or an extra): nothing rides
+    in on another package's requirements."""
+    import ast
+    import sys
+    from importlib import metadata
+
+    def name(requirement: str) -> str:
+        return re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+    declared = {name(r) for r in metadata.requires("conveyor") or []}
+    owners = metadata.packages_distributions()
+    undeclared = set()
+    for folder in ("api", "conveyor", "engine", "kernels", "ledger", "worker", "migrations"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    tops = [alias.name.split(".")[0] for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    tops = [node.module.split(".")[0]]
+                else:
+                    continue
+                for top in tops:
+                    if top in sys.stdlib_module_names or top == "conveyor":
+                        continue
+                    if not {name(d) for d in owners.get(top, [top])} & declared:
+                        undeclared.add(f"{top} ({path.relative_to(ROOT)})")
+    assert sorted(undeclared) == []
