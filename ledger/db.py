@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import sqlite3
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import psycopg
 from sqlalchemy import Engine, create_engine, event, exc
 from sqlalchemy.orm import Session, sessionmaker
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # the database is away, restarting or busy (PostgreSQL's serialization failures and
 # deadlocks are operational errors, SQLite's "database is locked" too)
@@ -31,6 +37,24 @@ def is_transient(err: BaseException) -> bool:
     if isinstance(err, exc.DBAPIError) and err.connection_invalidated:
         return True
     return isinstance(err, _TRANSIENT) or isinstance(getattr(err, "orig", None), _TRANSIENT)
+
+
+def until_reached(ledger: Ledger, work: Callable[[Session], T], what: str) -> T:
+    """`work` run in a transaction of `ledger`, again and again with backoff (0.2 s, doubling
+    to 5 s) while the database cannot be reached; an error that is not about reaching it is
+    raised at once, for the caller to surface."""
+    delay = 0.2
+    while True:
+        try:
+            with ledger.session() as session:
+                return work(session)
+        except Exception as err:
+            if not is_transient(err):
+                raise
+            log.warning("could not commit %s (%s); retrying in %.1fs", what, type(err).__name__,
+                        delay)  # fmt: skip
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
 
 def make_engine(url: str, pre_ping: bool = True) -> Engine:

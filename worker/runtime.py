@@ -20,12 +20,14 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from sqlalchemy.orm import Session
+
 from conveyor.dispatch.celery_app import make_celery
 from conveyor.dispatch.online import bus_for, online_queue
 from conveyor.dispatch.queues import queue_for, worker_queue
 from conveyor.dispatch.reconciler import ReconcilerLoop, reconcile
 from conveyor.engine.protocol import Engine
-from conveyor.ledger.db import Ledger
+from conveyor.ledger.db import Ledger, until_reached
 from conveyor.ledger.results import result_row
 from conveyor.ledger.shard_lifecycle import (
     ClaimedShard,
@@ -467,18 +469,20 @@ class WorkerRuntime:
         return "handed back" if self.handing_back.is_set() else "stopped"
 
     def _finish_shard(self, shard_id: int, batch_id: str, cleanly: bool = False) -> None:
-        delay = 0.2
-        while True:
-            try:
-                with self.ledger.session() as session:
-                    close_shards(session, [(shard_id, batch_id)], self.settings.heartbeat_timeout)
-                    if cleanly:
-                        give_back_attempt(session, shard_id)
-                return
-            except Exception:
-                log.warning("could not close shard %s; retrying in %.1fs", shard_id, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        """Close the shard in the ledger, waiting out a database that is away; any other error
+        ends this run of the shard with its text in the log (the shard's heartbeat stops, and
+        the reconciler sends it again)."""
+
+        def close(session: Session) -> None:
+            close_shards(session, [(shard_id, batch_id)], self.settings.heartbeat_timeout)
+            if cleanly:
+                give_back_attempt(session, shard_id)
+
+        try:
+            until_reached(self.ledger, close, f"the close of shard {shard_id}")
+        except Exception:
+            log.exception("shard %s could not be closed; it runs again elsewhere", shard_id)
+            raise
 
     # ---- results (called from the engine thread) -------------------------------------------
     def _on_done(self, batch_id, request_id, parsed, model, pending, output) -> None:

@@ -28,7 +28,7 @@ import psycopg
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from conveyor.ledger.db import Ledger, is_transient
+from conveyor.ledger.db import Ledger, until_reached
 from conveyor.ledger.results import record_results, result_row
 from conveyor.ledger.shard_lifecycle import close_shards
 from conveyor.wire_format.errors import INTERNAL_ERROR
@@ -179,22 +179,7 @@ class ResultWriter(threading.Thread):
         close_shards(session, [(t.shard_id, t.batch_id) for t in shards], self.heartbeat_timeout)
 
     def _until_reached(self, work: Callable[[Session], None], what: str = "results") -> None:
-        """Run `work` in a transaction, again and again with backoff while the database is
-        away; an error that is not about reaching it is raised."""
-        delay = 0.2
-        while True:
-            try:
-                with self.ledger.session() as session:
-                    work(session)
-                return
-            except Exception as err:
-                if not is_transient(err):
-                    raise
-                log.warning(
-                    "could not commit %s (%s); retrying in %.1fs", what, type(err).__name__, delay
-                )
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        until_reached(self.ledger, work, what)
 
     def _store_apart(self, items: list[WriteItem], err: Exception) -> None:
         """Store `items`, which failed together with `err`, in halves until the rows that
