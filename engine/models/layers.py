@@ -247,8 +247,7 @@ class RotaryEmbedding(nn.Module):
         self.long_rope: LongRope | None = None
         if rope_parameters(config, layer_type).get("rope_type") == "longrope":
             tables.append(long_rope_frequencies(config))
-            original = rope_parameters(config)["original_max_position_embeddings"]
-            self.long_rope = LongRope(int(original), max_positions)
+            self.long_rope = LongRope(original_max_positions(config), max_positions)
         positions = torch.arange(max_positions, dtype=torch.float)
         freqs = torch.cat([positions[:, None] * table[None, :] for table in tables])
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -371,10 +370,17 @@ def long_rope_frequencies(config) -> torch.Tensor:
     factors); `rope_frequencies` gives the short ones and the scaling both share."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    original = rope_parameters(config)["original_max_position_embeddings"]
     device = torch.get_default_device()
-    inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, device, seq_len=original + 1)
+    seq_len = original_max_positions(config) + 1
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, device, seq_len=seq_len)
     return inv_freq.float()
+
+
+def original_max_positions(config) -> int:
+    """LongRoPE's `original_max_position_embeddings`: in the rope parameters (transformers 5),
+    else on the config itself (Phi-3's configs, read by older transformers)."""
+    value = rope_parameters(config).get("original_max_position_embeddings")
+    return int(value or config.original_max_position_embeddings)
 
 
 def partial_rotary_factor(config) -> float:
