@@ -13,7 +13,7 @@ from conveyor.api import schemas
 from conveyor.ledger.models import BatchRow, ShardRow, WorkerRow
 from conveyor.ledger.states import BatchStatus, ShardStatus
 from conveyor.ledger.workers import live_worker_rows
-from conveyor.served_names import is_path_alias
+from conveyor.served_names import listed_names
 
 
 def worker_list(session: Session, heartbeat_timeout: float) -> schemas.WorkerList:
@@ -55,7 +55,7 @@ def _worker(row: WorkerRow, running_shards: int) -> schemas.Worker:
     device = stats.get("device")
     return schemas.Worker(
         id=row.id,
-        models=[name for name in row.models if not is_path_alias(name, row.models)],
+        models=listed_names(row.models),
         device=device if isinstance(device, str) else None,
         started_at=int(row.started_at),
         last_seen=row.last_seen,

@@ -29,6 +29,11 @@ def served_model_names(model: str, served: list[str] | None = None) -> list[str]
     return list(dict.fromkeys(names))
 
 
+def listed_names(names: list[str]) -> list[str]:
+    """The names of `names` that `GET /v1/models` lists: all but the path aliases."""
+    return [name for name in names if not is_path_alias(name, names)]
+
+
 def is_path_alias(name: str, names: list[str]) -> bool:
     """Whether `name`, one of a worker's `names`, is a directory path served beside another
     name (so not listed as a model of its own)."""

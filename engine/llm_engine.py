@@ -38,6 +38,7 @@ from conveyor.engine.loader import (
 from conveyor.engine.memory_profile import kv_cache_bytes, largest_step, peak_step_bytes
 from conveyor.engine.model_runner import ModelRunner
 from conveyor.engine.models import DecoderForCausalLM
+from conveyor.engine.models.layers import LongRope
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput, TokenLogprobs
 from conveyor.engine.prompt_logprobs import PromptLogprobs
@@ -152,7 +153,7 @@ class LLMEngine:
         self.reasoning_parser = c.reasoning_parser  # used by the service's chat responses
         # what a request that omits a sampling field gets (`get_default_sampling_params`)
         self.default_sampling: dict[str, Any] = (
-            default_sampling(path) if self.engine_config.generation_config == "auto" else {}
+            default_sampling(path) if c.generation_config == "auto" else {}
         )
         self.vocab_size = hf_config.vocab_size
 
@@ -479,8 +480,9 @@ class LLMEngine:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_computed_blocks(item.seq)
         self.prompt_logprobs.keep(scheduled, result.prompt_boundaries)
-        for item in scheduled:  # after the prompt logprobs kept what they read of the blocks
-            self.block_manager.release_outside_window(item.seq)
+        if self.block_manager.window is not None:  # after the prompt logprobs read the blocks
+            for item in scheduled:
+                self.block_manager.release_outside_window(item.seq)
         seqs, rows, failed = self._samples(completing)
         bitmask = None
         if masks is not None:
@@ -597,6 +599,7 @@ class LLMEngine:
         failed: set[str] = set()
         streamed: dict[str, Request] = {}
         now = time.monotonic()
+        long_rope = self.runner.model.long_rope
         for seq, token, top in zip(seqs, tokens, logprobs, strict=True):
             request = seq.request
             if request.request_id in failed:
@@ -613,7 +616,8 @@ class LLMEngine:
                         outputs.append(self.output_processor.request_output(request))
                         del self.requests[request.request_id]
                         continue
-                self._switch_to_long_rope(seq)
+                if long_rope is not None:
+                    self._switch_to_long_rope(seq, long_rope)
                 if request.stream:
                     streamed[request.request_id] = request
             except Exception as err:
@@ -627,14 +631,11 @@ class LLMEngine:
                     outputs.append(self._fail_request(request, err))
         return outputs
 
-    def _switch_to_long_rope(self, seq: Sequence) -> None:
+    def _switch_to_long_rope(self, seq: Sequence, long_rope: LongRope) -> None:
         """A sequence that grows past LongRoPE's original length computes its KV again, all of
         it on the long factors, as transformers' `generate` does."""
-        long_rope = self.runner.model.long_rope
-        if long_rope is None or seq.rope_long or seq.is_finished:
+        if seq.rope_long or seq.is_finished or not long_rope.is_long(seq.num_tokens):
             return  # (a sample that ended beside its request's others needs nothing more)
-        if not long_rope.is_long(seq.num_tokens):
-            return
         self.scheduler.recompute(seq)
         seq.rope_long = True
         seq.block_keys = []  # its keys are rooted elsewhere now

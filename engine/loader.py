@@ -252,6 +252,12 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
+def shipped_generation_config(path: Path) -> dict[str, Any]:
+    """The checkpoint's `generation_config.json`, or {} where it has none."""
+    gen_file = path / "generation_config.json"
+    return json.loads(gen_file.read_text()) if gen_file.exists() else {}
+
+
 # generation_config.json's sampling fields a request that omits them gets, as vLLM's
 # `--generation-config auto` gives them (its `max_new_tokens` is not one: a completion's
 # default length stays OpenAI's)
@@ -264,25 +270,20 @@ def default_sampling(path: Path) -> dict[str, Any]:
     refused at load, naming the file)."""
     from conveyor.engine.sampling_params import SamplingParams
 
-    gen_file = path / "generation_config.json"
-    if not gen_file.exists():
-        return {}
-    shipped = json.loads(gen_file.read_text())
+    shipped = shipped_generation_config(path)
     defaults = {k: shipped[k] for k in GENERATION_DEFAULTS if shipped.get(k) is not None}
     if defaults.get("top_k") == 0:  # transformers' "no top-k"
         del defaults["top_k"]
     try:
         SamplingParams(**defaults)
     except ValueError as err:
-        raise ValueError(f"{gen_file}: {err}") from None
+        raise ValueError(f"{path / 'generation_config.json'}: {err}") from None
     return defaults
 
 
 def eos_token_ids(path: Path, config, tokenizer) -> set[int]:
     ids = None
-    gen_file = path / "generation_config.json"
-    if gen_file.exists():
-        ids = json.loads(gen_file.read_text()).get("eos_token_id")
+    ids = shipped_generation_config(path).get("eos_token_id")
     if ids is None:
         ids = getattr(config, "eos_token_id", None)
     if ids is None and tokenizer is not None:

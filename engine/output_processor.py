@@ -40,7 +40,8 @@ class OutputProcessor:
                 return
         elif seq.deferred_matcher is not None:
             after = seq.request.constraint_after or ()
-            if tuple(seq.output_token_ids[-len(after) :]) == after:  # the constraint starts
+            output = seq.num_output_tokens
+            if output >= len(after) and tuple(seq.token_ids[-len(after) :]) == after:  # it starts
                 seq.matcher, seq.deferred_matcher = seq.deferred_matcher, None
         self._check_stop(seq, token)
 

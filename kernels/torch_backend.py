@@ -3,13 +3,9 @@ attention compiled by torch.compile."""
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from conveyor.kernels import cascade, native_paged, torch_paged
-
-log = logging.getLogger(__name__)
 
 
 class TorchPagedAttention:

@@ -32,7 +32,7 @@ from conveyor.api.online_limits import check_prompt_count, check_rate, check_seq
 from conveyor.dispatch.online import AnswerTimeout, OnlineMessage, online_queue
 from conveyor.dispatch.queues import queue_for
 from conveyor.ledger.workers import served_models
-from conveyor.served_names import is_path_alias
+from conveyor.served_names import listed_names
 from conveyor.wire_format.bodies import CHAT_URL, COMPLETIONS_URL, DetokenizeBody, TokenizeBody
 from conveyor.wire_format.errors import (
     INVALID_REQUEST,
@@ -181,8 +181,7 @@ async def _queue_of(state: AppState, model: str | None) -> str:
     worker serves or served, 503 for one whose workers are all gone."""
     live, known = await run_in_threadpool(_served_models, state)
     if model is None:
-        names = sorted(live)
-        listed = [name for name in names if not is_path_alias(name, names)]  # as /v1/models
+        listed = listed_names(sorted(live))  # as GET /v1/models names them
         if len(listed) != 1:
             raise APIError(
                 400,

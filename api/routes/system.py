@@ -14,7 +14,7 @@ from conveyor.api.workers_view import default_sampling
 from conveyor.dispatch.broker import ping
 from conveyor.ledger.serving import unserved_models
 from conveyor.ledger.workers import live_worker_rows
-from conveyor.served_names import is_path_alias
+from conveyor.served_names import listed_names
 
 router = APIRouter(tags=["system"])
 models = APIRouter(tags=["system"], route_class=KeyedRoute)  # wants a key, as every /v1 route
@@ -60,9 +60,7 @@ async def readyz(state: StateDep):
 def list_models(state: StateDep, session: SessionDep) -> schemas.ModelList:
     models: dict[str, schemas.Model] = {}
     for worker in live_worker_rows(session, state.settings.heartbeat_timeout):
-        for name in worker.models:
-            if is_path_alias(name, worker.models):
-                continue  # accepted in requests, not listed
+        for name in listed_names(worker.models):  # its path alias is accepted, not listed
             if name in models:
                 models[name].workers += 1
             else:
