@@ -76,9 +76,9 @@ void decode(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_ca
   const __m512 vscale = _mm512_set1_ps(scale);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const int64_t tasks = batch * kv_heads;
-  // the first block a sequence of `context` tokens reads: the one of its window's first key
-  const auto first_block = [window](int64_t context) {
-    return window > 0 ? std::max<int64_t>(context - window, 0) / kBlock : 0;
+  // the first key a sequence of `context` tokens sees: its window's
+  const auto first_key = [window](int64_t context) {
+    return window > 0 ? std::max<int64_t>(context - window, 0) : int64_t{0};
   };
   // Tasks dealt round-robin: a thread knows its next task, and asks for that task's first blocks
   // while it finishes this one, so no task starts on a trip to memory
@@ -99,11 +99,10 @@ void decode(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_ca
       total[g] = 0.f;
     }
     const int64_t blocks = (context + kBlock - 1) / kBlock;
-    const int64_t start = first_block(context);
+    const int64_t seen_from = first_key(context), start = seen_from / kBlock;
     for (int64_t i = start; i < blocks; ++i) {
       const int64_t n = (i + 1 < blocks) ? kBlock : context - i * kBlock;
-      // keys of the first block that lie before the window
-      const int64_t skip = (window > 0 && i == start) ? std::max<int64_t>(context - window, 0) - i * kBlock : 0;
+      const int64_t skip = i == start ? seen_from - i * kBlock : 0;  // keys before the window
       const int64_t base = tables[b * table_width + i] * block_stride + kvh * kBlock * D;
       const uint16_t* k = k_cache + base;
       const uint16_t* v = v_cache + base;
@@ -116,7 +115,7 @@ void decode(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_ca
           next = tables[b * table_width + i + ahead] * block_stride + kvh * kBlock * D;
         } else if (next_task < tasks) {
           const int64_t nb = next_task / kv_heads;
-          const int64_t j = first_block(context_lens[nb]) + i + ahead - blocks;
+          const int64_t j = first_key(context_lens[nb]) / kBlock + i + ahead - blocks;
           if (j * kBlock < context_lens[nb])
             next = tables[nb * table_width + j] * block_stride + (next_task % kv_heads) * kBlock * D;
         }
