@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from conveyor.engine.errors import (
@@ -34,6 +34,7 @@ from conveyor.wire_format.errors import (
     CHAT_TEMPLATE_ERROR,
     CONTEXT_LENGTH_EXCEEDED,
     INTERNAL_ERROR,
+    INVALID_FUNCTION_PARAMETERS,
     INVALID_PROMPT,
     INVALID_RESPONSE_FORMAT,
     INVALID_SAMPLING_PARAMS,
@@ -47,6 +48,7 @@ from conveyor.wire_format.result_lines import (
     error_line_from_exception,
 )
 from conveyor.wire_format.token_text import TokenDecoder
+from conveyor.wire_format.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,8 @@ def engine_error(
     code = next((c for k, c in ERROR_CODES if issubclass(kind, k)), INVALID_SAMPLING_PARAMS)
     if issubclass(kind, InvalidPromptError):
         param = "body.messages" if request.is_chat else "body.prompt"
+    elif issubclass(kind, StructuredOutputError) and request.tool_use and request.tool_use.forced:
+        code, param = INVALID_FUNCTION_PARAMETERS, "body.tools"  # a forced call's grammar
     elif issubclass(kind, StructuredOutputError):
         param = "body.response_format"
     else:
@@ -103,6 +107,8 @@ def prepare_request(llm: Engine, request: ParsedRequest) -> tuple[str | list[int
     if request.is_chat and llm.reasoning_parser is not None and not thinking_off:
         request.reasoning = PARSERS[llm.reasoning_parser]
     sampling = {**llm.default_sampling, **request.sampling}
+    if request.tool_use is not None and not request.tool_use.forced:
+        _read_calls_with(llm.tool_call_parser, request, sampling)
     if request.reasoning is not None and sampling.get("structured_outputs"):
         # the answer is constrained, after the thinking, as vLLM does
         after = {"after": request.reasoning.end}
@@ -116,7 +122,9 @@ def prepare_request(llm: Engine, request: ParsedRequest) -> tuple[str | list[int
         return request.prompt, params
     try:
         prompt = llm.apply_chat_template(
-            request.messages or [], chat_template_kwargs=request.chat_template_kwargs
+            request.messages or [],
+            chat_template_kwargs=request.chat_template_kwargs,
+            tools=request.tools,
         )
     except Exception as err:  # the engine's ChatTemplateError, or what a template raised
         kwargs = getattr(err, "field", None) == "chat_template_kwargs"
@@ -128,6 +136,25 @@ def prepare_request(llm: Engine, request: ParsedRequest) -> tuple[str | list[int
             param="body.chat_template_kwargs" if kwargs else "body.messages",
         ) from None
     return prompt, params
+
+
+def _read_calls_with(parser: str | None, request: ParsedRequest, sampling: dict[str, Any]) -> None:
+    """Give a chat whose `tool_choice` is "auto" the server's tool-call parser; without one its
+    calls could not be read, so it is refused (as vLLM refuses it without
+    --enable-auto-tool-choice)."""
+    if parser is None:
+        raise RequestError(
+            '"tool_choice" "auto" (the default with "tools") needs the server started with '
+            "--tool-call-parser (hermes, llama3_json or mistral) to read the model's calls; "
+            'tool_choice "required" or a named function needs none',
+            line=request.line,
+            custom_id=request.custom_id,
+            param="body.tool_choice",
+        )
+    assert request.tool_use is not None
+    request.tool_use = replace(request.tool_use, parser=TOOL_CALL_PARSERS[parser])
+    if request.tool_use.parser.keeps_special_tokens:  # its marker is a special token
+        sampling.setdefault("skip_special_tokens", False)
 
 
 # ---- batch lines ------------------------------------------------------------------------------

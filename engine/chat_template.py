@@ -51,6 +51,7 @@ class ChatTemplate:
         conversation: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         variables: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The conversation as the prompt text; raises `ChatTemplateError` naming the
         template when it cannot."""
@@ -65,6 +66,7 @@ class ChatTemplate:
             return tokenizer.apply_chat_template(
                 conversation,
                 chat_template=self.text,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
                 **{**self.defaults, **(variables or {})},

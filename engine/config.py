@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 ADMISSION_POLICIES = ("cache_aware", "fcfs")
 GENERATION_CONFIGS = ("auto", "vllm")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # conveyor.wire_format.reasoning.PARSERS
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # conveyor.wire_format.tool_calls
 
 _SIZE_UNITS = {
     "": 1,
@@ -182,6 +183,14 @@ class EngineConfig:
         "output that opens a <think> block) or deepseek_r1 (the output starts inside it); the "
         "thinking goes to reasoning_content and reasoning (default: not split)",
         choices=REASONING_PARSERS,
+    )
+    tool_call_parser: str | None = _option(
+        None,
+        "read the tool calls a model writes, for chats with tools and tool_choice auto: hermes "
+        "(Qwen's <tool_call> blocks), llama3_json (Llama 3's JSON calls) or mistral "
+        "([TOOL_CALLS]); without it such a chat is refused (tool_choice required or a named "
+        "function needs none: the grammar forces the call; default: none)",
+        choices=TOOL_CALL_PARSERS,
     )
     grammar_timeout: float = _option(
         10.0,

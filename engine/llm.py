@@ -76,11 +76,13 @@ class LLM(LLMEngine):
         conversation: list[Message],
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The conversation rendered by the chat template (`--chat-template`, else the
-        checkpoint's), with `chat_template_kwargs` over the server's defaults, tokenized."""
+        checkpoint's), with `chat_template_kwargs` over the server's defaults and the `tools`
+        the model may call (OpenAI's `{"type": "function", "function": {...}}`), tokenized."""
         text = self.chat_template.render(
-            self.tokenizer, conversation, add_generation_prompt, chat_template_kwargs
+            self.tokenizer, conversation, add_generation_prompt, chat_template_kwargs, tools
         )
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 

@@ -151,6 +151,7 @@ class LLMEngine:
             c.chat_template, c.default_chat_template_kwargs, path
         )
         self.reasoning_parser = c.reasoning_parser  # used by the service's chat responses
+        self.tool_call_parser = c.tool_call_parser  # likewise
         # what a request that omits a sampling field gets (`get_default_sampling_params`)
         self.default_sampling: dict[str, Any] = (
             default_sampling(path) if c.generation_config == "auto" else {}

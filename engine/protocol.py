@@ -19,6 +19,7 @@ class Engine(Protocol):
     # the sampling a request that omits a field gets (the checkpoint's generation_config.json)
     default_sampling: dict[str, Any]
     reasoning_parser: str | None  # the markers of its thinking (`--reasoning-parser`)
+    tool_call_parser: str | None  # how it writes tool calls (`--tool-call-parser`)
 
     def add_request(
         self,
@@ -45,4 +46,5 @@ class Engine(Protocol):
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str | list[int]: ...

@@ -47,17 +47,21 @@ class EchoEngine:
         self.plan = None
         self.default_sampling: dict[str, Any] = {}  # no checkpoint, no defaults of its own
         self.reasoning_parser: str | None = None
+        self.tool_call_parser: str | None = None
 
     def apply_chat_template(
         self,
         messages: list[dict[str, str]],
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The messages as lines, then the template variables asked for (so a test sees
-        them arrive)."""
+        """The messages as lines, then the template variables and the tools' names asked for
+        (so a test sees them arrive)."""
         lines = [f"{m.get('role')}: {m.get('content') or ''}" for m in messages]
         lines += [f"{k}={v}" for k, v in sorted((chat_template_kwargs or {}).items())]
+        if tools:
+            lines.append("tools: " + ", ".join(t["function"]["name"] for t in tools))
         return "\n".join(lines)
 
     def add_request(

@@ -15,6 +15,9 @@ One batch input line is a JSON object::
 - `validation`: a whole file checked by OpenAI's rules (what fails the batch, what one line);
 - `prefix`: what requests that can share KV blocks have in common;
 - `token_text`: token ids as text and bytes, for logprobs;
+- `reasoning`: a reasoning model's thinking split from its answer;
+- `tools`, `tool_calls`, `tool_use`: a chat's tools and tool_choice, the parsers of the calls
+  models write, and how an answer is read for calls;
 - `responses`: the completion objects built from the engine's outputs;
 - `streaming`: the chunks of a streamed online answer;
 - `result_lines`: output and error lines, and their JSON text.

@@ -19,6 +19,14 @@ from pydantic import (
 )
 
 from conveyor.wire_format.errors import describe
+from conveyor.wire_format.tool_use import ToolUse
+from conveyor.wire_format.tools import (
+    MessageToolCall,
+    NamedToolChoice,
+    Tool,
+    check_tool_choice,
+    forced_schema,
+)
 
 CHAT_URL = "/v1/chat/completions"
 
@@ -246,6 +254,18 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None
     name: str | None = None  # given to the chat template, which may use it
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError('may have "tool_calls" only as an "assistant" message')
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError('needs "tool_call_id": the id of the call it answers')
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise ValueError('may have "tool_call_id" only as a "tool" message')
+        return self
 
     @field_validator("content")
     @classmethod
@@ -278,9 +298,52 @@ class ChatCompletionBody(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
     modalities: list[Literal["text"]] | None = None  # text is what a chat model answers in
-    parallel_tool_calls: Any = None  # accepted without effect (see fields.py)
+    tools: list[Tool] | None = None
+    tool_choice: Any = None  # "none", "auto", "required" or a NamedToolChoice
+    parallel_tool_calls: bool | None = None
     # variables for the chat template (vLLM's extension), e.g. {"enable_thinking": false}
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Any, info: ValidationInfo) -> str | NamedToolChoice | None:
+        if "tools" not in info.data:
+            return value  # "tools" failed its own check, which the answer names
+        choice = check_tool_choice(value, info.data["tools"])
+        if choice not in (None, "none", "auto"):
+            other = [name for name in _STRUCTURE_FIELDS if info.data.get(name) is not None]
+            if info.data.get("response_format") == ResponseFormat(type="text"):
+                other.remove("response_format")  # free text: no constraint
+            if other:
+                raise ValueError(
+                    f'forces a tool call, which "{other[0]}" may not constrain too, got '
+                    f"{describe(value)}"
+                )
+        return choice
+
+    def forced_schema(self) -> dict[str, Any] | None:
+        """The schema a forced tool call follows (`tool_choice` "required" or a function)."""
+        if not self.tools:
+            return None
+        return forced_schema(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
+
+    def structure(self) -> dict[str, Any] | None:
+        forced = self.forced_schema()
+        return {"json": forced} if forced is not None else super().structure()
+
+    def tool_use(self) -> ToolUse | None:
+        """How the answer is read for calls: None where no tools are offered ("none")."""
+        choice = self.tool_choice or "auto"
+        if not self.tools or choice == "none":
+            return None
+        parallel = self.parallel_tool_calls is not False
+        if isinstance(choice, NamedToolChoice):
+            return ToolUse("named", choice.function.name, parallel)
+        return ToolUse("required" if choice == "required" else "auto", None, parallel)
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template gets them (even with "none", as vLLM gives them)."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         kwargs = self.common_sampling_kwargs()
@@ -293,12 +356,16 @@ class ChatCompletionBody(_SamplingFields):
             kwargs["logprobs"] = self.top_logprobs or 0
         return kwargs
 
-    def message_dicts(self) -> list[dict[str, str]]:
+    def message_dicts(self) -> list[dict[str, Any]]:
         messages = []
         for m in self.messages:
-            message = {"role": m.role, "content": m.content or ""}
+            message: dict[str, Any] = {"role": m.role, "content": m.content or ""}
             if m.name is not None:
                 message["name"] = m.name
+            if m.tool_calls:
+                message["tool_calls"] = [call.model_dump() for call in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
             messages.append(message)
         return messages
 

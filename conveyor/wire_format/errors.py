@@ -19,6 +19,8 @@ INVALID_SAMPLING_PARAMS = "invalid_sampling_params"
 UNKNOWN_PARAMETER = "unknown_parameter"  # a body field no endpoint has (or a query parameter)
 UNSUPPORTED_PARAMETER = "unsupported_parameter"  # a field that would change results, not built
 INVALID_RESPONSE_FORMAT = "invalid_response_format"  # a constraint the grammar cannot compile
+# a forced tool call whose parameters schema the grammar cannot compile (OpenAI's code)
+INVALID_FUNCTION_PARAMETERS = "invalid_function_parameters"
 MAX_TOKENS_TOO_LARGE = "max_tokens_too_large"
 INVALID_PROMPT = "invalid_prompt"
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"

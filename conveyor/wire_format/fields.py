@@ -24,15 +24,12 @@ ACCEPTED_WITHOUT_EFFECT: dict[str, str] = {
     "finds shared prefixes by their content",
     "prompt_cache_retention": "how long OpenAI keeps cached prefixes",
     "prompt_cache_options": "OpenAI's prompt cache settings",
-    "parallel_tool_calls": "only matters with tools, which are refused",
 }
 
 # field -> why it is refused (it would change the result)
 UNSUPPORTED: dict[str, str] = {
-    "tools": "tool calling is not supported",
-    "tool_choice": "tool calling is not supported",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
+    "functions": "the deprecated functions are not supported; use tools",
+    "function_call": "the deprecated function_call is not supported; use tool_choice",
     "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported",
     "reasoning_effort": "reasoning effort is for OpenAI's reasoning models",
@@ -49,9 +46,7 @@ UNSUPPORTED: dict[str, str] = {
 
 # fields of a chat message besides role and content
 MESSAGE_UNSUPPORTED: dict[str, str] = {
-    "tool_calls": "tool calling is not supported",
-    "tool_call_id": "tool calling is not supported",
-    "function_call": "function calling is not supported",
+    "function_call": "the deprecated function_call is not supported; use tool_calls",
     "audio": "audio is not supported",
 }
 
@@ -62,7 +57,7 @@ def _empty(value: Any) -> bool:
 
 def without_empty_unsupported(body: dict[str, Any]) -> dict[str, Any]:
     """`body` less the refused fields that are null or empty, which are as if absent (clients
-    send `tools: []`)."""
+    send `functions: []`)."""
     return {k: v for k, v in body.items() if not (k in UNSUPPORTED and _empty(v))}
 
 

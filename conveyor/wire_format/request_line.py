@@ -19,6 +19,7 @@ from conveyor.wire_format.bodies import (
 )
 from conveyor.wire_format.errors import (
     DUPLICATE_CUSTOM_ID,
+    INVALID_FUNCTION_PARAMETERS,
     INVALID_JSON,
     INVALID_METHOD,
     INVALID_REQUEST,
@@ -38,6 +39,8 @@ from conveyor.wire_format.fields import (
 )
 from conveyor.wire_format.reasoning import ReasoningParser
 from conveyor.wire_format.text import MAX_JSON_DEPTH, check_body_text, path_text
+from conveyor.wire_format.tool_use import ToolUse
+from conveyor.wire_format.tools import forced_tools, grammar_error
 
 
 @dataclass
@@ -49,7 +52,7 @@ class ParsedRequest:
     model: str
     sampling: dict[str, Any]  # keyword arguments for `engine.SamplingParams`
     prompt: str | list[int] | None = None  # completions
-    messages: list[dict[str, str]] | None = None  # chat
+    messages: list[dict[str, Any]] | None = None  # chat
     echo: bool = False  # completions: prepend the prompt (and its logprobs) to each choice
     drop_generation: bool = False  # completions `max_tokens: 0`: report the prompt only
     top_logprobs: int | None = None  # chat: alternatives per token when logprobs were asked
@@ -57,6 +60,10 @@ class ParsedRequest:
     # chat: how its answer is split from its thinking (set by the worker, from the model's
     # --reasoning-parser), None: not split
     reasoning: ReasoningParser | None = None
+    tools: list[dict[str, Any]] | None = None  # chat: the tools, for the chat template
+    # chat: how its answer is read for tool calls (the worker gives "auto" its parser), None:
+    # it offers no tools
+    tool_use: ToolUse | None = None
     line: int | None = None
 
     @property
@@ -298,6 +305,7 @@ def _chat_request(
 ) -> ParsedRequest:
     if parsed.top_logprobs is not None and not parsed.logprobs:
         where.fail('"body.top_logprobs" needs "body.logprobs": true', param="body.top_logprobs")
+    _check_forced_tools(parsed, where)
     return ParsedRequest(
         custom_id=custom_id,
         url=url,
@@ -306,8 +314,25 @@ def _chat_request(
         messages=parsed.message_dicts(),
         top_logprobs=(parsed.top_logprobs or 0) if parsed.logprobs else None,
         chat_template_kwargs=parsed.chat_template_kwargs,
+        tools=parsed.tool_dicts(),
+        tool_use=parsed.tool_use(),
         line=where.number,
     )
+
+
+def _check_forced_tools(parsed: ChatCompletionBody, where: _Line) -> None:
+    """Fail on a tool whose parameters the grammar engine cannot compile, where `tool_choice`
+    forces a call to it (a tool the model only may call is never compiled)."""
+    for i, tool in forced_tools(parsed.tools or [], parsed.tool_choice):
+        error = grammar_error(tool.schema())
+        if error is not None:
+            param = f"body.tools[{i}].function.parameters"
+            where.fail(
+                f"the parameters of the tool {describe(tool.function.name)} cannot be compiled "
+                f"by the grammar engine, which forces its calls: {error}",
+                INVALID_FUNCTION_PARAMETERS,
+                param,
+            )
 
 
 def _completion_request(

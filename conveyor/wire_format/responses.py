@@ -4,6 +4,7 @@ engine's outputs, taken duck-typed (`RequestOutput` / `CompletionOutput` attribu
 from __future__ import annotations
 
 import random
+import string
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -11,13 +12,36 @@ from typing import Any
 from conveyor.wire_format.reasoning import reasoning_tokens
 from conveyor.wire_format.request_line import ParsedRequest
 from conveyor.wire_format.token_text import TokenDecoder
+from conveyor.wire_format.tool_calls import ToolCall
+from conveyor.wire_format.tool_use import ToolUse
 
 _ids = random.Random()  # seeded from os.urandom once; ids need to be unique, not secret
+_ID_CHARACTERS = string.ascii_letters + string.digits
 
 
 def new_id() -> str:
     """128 random bits in hex: the ids of completion objects and result lines."""
     return f"{_ids.getrandbits(128):032x}"
+
+
+def tool_call_id(use: ToolUse) -> str:
+    """A new tool call's id: vLLM's shape, or 9 letters and digits for a parser whose model's
+    templates refuse any other (Mistral's)."""
+    if use.parser is not None and use.parser.short_ids:
+        return "".join(_ids.choice(_ID_CHARACTERS) for _ in range(9))
+    return f"chatcmpl-tool-{new_id()}"
+
+
+def tool_call_dicts(calls: Sequence[ToolCall], use: ToolUse) -> list[dict[str, Any]]:
+    """`message.tool_calls`: each call with a new id, its arguments as JSON text."""
+    return [
+        {
+            "id": tool_call_id(use),
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+        for call in calls
+    ]
 
 
 def _sorted_alternatives(entry: Mapping[int, float]) -> list[tuple[int, float]]:
@@ -127,6 +151,7 @@ def chat_completion_body(
         if request.top_logprobs is not None:
             logprobs = chat_logprobs(comp.token_ids, comp.logprobs, request.top_logprobs, decoder)
         message: dict[str, Any] = {"role": "assistant", "content": comp.text, "refusal": None}
+        finish_reason = comp.finish_reason
         if request.reasoning is not None:
             thinking, message["content"] = request.reasoning.split(comp.text)
             # both names: vLLM's newest server says `reasoning`, SGLang `reasoning_content`
@@ -134,12 +159,17 @@ def chat_completion_body(
             thinking_tokens += reasoning_tokens(
                 request.reasoning, comp.token_ids, decoder.tokenizer, thinking
             )
+        if request.tool_use is not None:
+            answer = request.tool_use.read(message["content"], finish_reason)
+            message["content"], finish_reason = answer.content, answer.finish_reason
+            if answer.calls:
+                message["tool_calls"] = tool_call_dicts(answer.calls, request.tool_use)
         choices.append(
             {
                 "index": comp.index,
                 "message": message,
                 "logprobs": logprobs,
-                "finish_reason": comp.finish_reason,
+                "finish_reason": finish_reason,
             }
         )
     usage = _usage(output, completion_tokens)

@@ -2,7 +2,10 @@
 `text_completion` objects, made from the engine's output so far, one step at a time.
 
 Text is sent as it becomes final: the tail that a stop string could still take back, and an
-unfinished UTF-8 character (decoded as U+FFFD), wait for the next step.
+unfinished UTF-8 character (decoded as U+FFFD), wait for the next step. Where a chat's answer is
+read for tool calls, a call goes out whole once the answer is (`delta.tool_calls`, its id, name
+and arguments), the content before it as soon as no call can begin in it, and a named
+function's arguments as they come.
 """
 
 from __future__ import annotations
@@ -13,8 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.wire_format.request_line import ParsedRequest
-from conveyor.wire_format.responses import chat_logprobs, completion_logprobs, new_id
+from conveyor.wire_format.responses import (
+    chat_logprobs,
+    completion_logprobs,
+    new_id,
+    tool_call_dicts,
+)
 from conveyor.wire_format.token_text import TokenDecoder
+from conveyor.wire_format.tool_calls import ToolCall
+from conveyor.wire_format.tool_use import ToolUse
 
 
 @dataclass
@@ -23,6 +33,7 @@ class _Sent:
     chars: int = 0  # of the text (of the answer, where the thinking is split from it)
     thinking: int = 0  # chars of the thinking
     started: bool = False
+    arguments: int | None = None  # chars of a named function's arguments; None: no call yet
 
 
 @dataclass
@@ -57,20 +68,25 @@ class ChunkStream:
             if self.chat and request.reasoning is not None:
                 split, text = request.reasoning.split(text, finished)
                 thinking = (split or "")[sent.thinking :]
+            calls, finish_reason = [], comp.finish_reason
+            if self.chat and request.tool_use is not None:
+                text, calls, finish_reason = _tool_part(
+                    request.tool_use, sent, text, finished, finish_reason
+                )
             new_text = text[sent.chars :]
-            new_ids = (
-                list(comp.token_ids[sent.tokens :]) if finished or new_text or thinking else []
-            )
+            more = finished or new_text or thinking or calls
+            new_ids = list(comp.token_ids[sent.tokens :]) if more else []
             new_lps = list((comp.logprobs or [])[sent.tokens : sent.tokens + len(new_ids)])
             if not sent.started:
                 chunks.append(self._first(index, request, output))
                 sent.started = True
-            if new_text or new_ids:
-                chunks.append(self._delta(index, request, new_text, new_ids, new_lps, thinking))
+            if new_text or new_ids or calls:
+                delta = _Delta(new_text, new_ids, new_lps, thinking, calls)
+                chunks.append(self._delta(index, request, delta))
                 sent.chars, sent.tokens = len(text), sent.tokens + len(new_ids)
                 sent.thinking += len(thinking)
             if finished:
-                chunks.append(self._end(index, comp.finish_reason))
+                chunks.append(self._end(index, finish_reason))
         return chunks
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
@@ -103,34 +119,63 @@ class ChunkStream:
                 logprobs = completion_logprobs(ids, lps[: len(ids)], self.decoder)
         return self._choice(index, text=text, logprobs=logprobs, finish_reason=None)
 
-    def _delta(
-        self,
-        index: int,
-        request: ParsedRequest,
-        text: str,
-        ids: list[int],
-        lps: list,
-        thinking: str = "",
-    ) -> dict[str, Any]:
+    def _delta(self, index: int, request: ParsedRequest, new: _Delta) -> dict[str, Any]:
+        ids, lps = new.ids, new.lps
         if self.chat:
             logprobs = None
             if request.top_logprobs is not None:
                 logprobs = chat_logprobs(ids, lps, request.top_logprobs, self.decoder)
             delta: dict[str, Any] = {}
-            if thinking:  # both names, as in the whole message
-                delta["reasoning_content"] = delta["reasoning"] = thinking
-            if text or not thinking:
-                delta["content"] = text
+            if new.thinking:  # both names, as in the whole message
+                delta["reasoning_content"] = delta["reasoning"] = new.thinking
+            if new.text or not (new.thinking or new.calls):
+                delta["content"] = new.text
+            if new.calls:
+                delta["tool_calls"] = new.calls
             return self._choice(index, delta=delta, logprobs=logprobs, finish_reason=None)
         logprobs = None
         if "logprobs" in request.sampling:
             logprobs = completion_logprobs(ids, lps + [None] * (len(ids) - len(lps)), self.decoder)
-        return self._choice(index, text=text, logprobs=logprobs, finish_reason=None)
+        return self._choice(index, text=new.text, logprobs=logprobs, finish_reason=None)
 
     def _end(self, index: int, finish_reason: str | None) -> dict[str, Any]:
         if self.chat:
             return self._choice(index, delta={}, logprobs=None, finish_reason=finish_reason)
         return self._choice(index, text="", logprobs=None, finish_reason=finish_reason)
+
+
+@dataclass
+class _Delta:
+    """What one chunk of a choice adds."""
+
+    text: str
+    ids: list[int]
+    lps: list
+    thinking: str = ""
+    calls: list[dict[str, Any]] = field(default_factory=list)  # `delta.tool_calls`
+
+
+def _tool_part(
+    use: ToolUse, sent: _Sent, answer: str, finished: bool, finish_reason: str | None
+) -> tuple[str, list[dict[str, Any]], str | None]:
+    """The content that may go out by now, the tool call deltas to send and the finish reason,
+    of an answer read for tool calls. A named function's arguments stream as they come (its
+    header first); other calls go out whole once the answer is, and the content before them
+    as soon as no call can begin in it."""
+    if use.choice == "named":
+        new, opened = answer[sent.arguments or 0 :], sent.arguments is not None
+        sent.arguments = len(answer)
+        if not new:
+            return "", [], finish_reason
+        if opened:
+            return "", [{"index": 0, "function": {"arguments": new}}], finish_reason
+        (call,) = tool_call_dicts([ToolCall(use.name or "", new)], use)
+        return "", [{"index": 0, **call}], finish_reason
+    if not finished:
+        return use.content_so_far(answer, finished), [], finish_reason
+    read = use.read(answer, finish_reason)
+    calls = [{"index": i, **call} for i, call in enumerate(tool_call_dicts(read.calls, use))]
+    return read.content or "", calls, read.finish_reason
 
 
 def _final_part(text: str, request: ParsedRequest) -> str:

@@ -56,6 +56,7 @@ def sampling(**expected: Any) -> Callable[[ParsedRequest], bool]:
 
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": SCHEMA}}]
 # field -> (the fields to send, what the parsed request must then show); applies to both
 # endpoints unless the key is (url, field). The engine tests show what each setting does.
 HONOURED: dict[Any, tuple[dict[str, Any], Callable[[ParsedRequest], bool]]] = {
@@ -99,6 +100,15 @@ HONOURED: dict[Any, tuple[dict[str, Any], Callable[[ParsedRequest], bool]]] = {
     "skip_special_tokens": ({"skip_special_tokens": False}, sampling(skip_special_tokens=False)),
     "repetition_penalty": ({"repetition_penalty": 1.3}, sampling(repetition_penalty=1.3)),
     "allowed_token_ids": ({"allowed_token_ids": [3, 4]}, sampling(allowed_token_ids=[3, 4])),
+    "tools": ({"tools": TOOLS}, lambda r: r.tools == TOOLS and r.tool_use.choice == "auto"),
+    "tool_choice": (
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+        lambda r: r.tool_use.name == "f" and r.sampling["structured_outputs"] == {"json": SCHEMA},
+    ),
+    "parallel_tool_calls": (
+        {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False},
+        lambda r: not r.tool_use.parallel and r.sampling["structured_outputs"]["json"]["maxItems"],
+    ),
     "chat_template_kwargs": (
         {"chat_template_kwargs": {"enable_thinking": False}},
         lambda r: r.chat_template_kwargs == {"enable_thinking": False},
@@ -178,10 +188,11 @@ def test_unknown_fields_fail_naming_the_field():
 
 
 def test_empty_values_of_unsupported_fields_are_as_if_absent():
-    assert parse(CHAT_URL, tools=[], tool_choice=None) == parse(CHAT_URL)
+    assert parse(CHAT_URL, functions=[], function_call=None) == parse(CHAT_URL)
+    assert parse(CHAT_URL, tools=[], tool_choice=None) == parse(CHAT_URL)  # no tools offered
     err = refusal(CHAT_URL, messages=[{"role": "assistant", "content": "x",
-                                       "tool_calls": [{"id": "1"}]}])  # fmt: skip
-    assert (err.code, err.param) == (UNSUPPORTED_PARAMETER, "body.messages[0].tool_calls")
+                                       "function_call": {"name": "f"}}])  # fmt: skip
+    assert (err.code, err.param) == (UNSUPPORTED_PARAMETER, "body.messages[0].function_call")
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ class Engine:  # what preparing a completion asks of an engine: nothing but bein
     tokenizer = None
     default_sampling: dict = {}
     reasoning_parser = None
+    tool_call_parser = None
 
 
 def parse(raw, line):

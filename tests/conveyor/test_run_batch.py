@@ -871,6 +871,7 @@ class ScriptedEngine:
     tokenizer = None
     default_sampling: dict = {}
     reasoning_parser = None
+    tool_call_parser = None
 
     def __init__(self, fail_on_step: int | None = None, exc: BaseException | None = None):
         self.waiting: list[tuple[str, list[int]]] = []

@@ -1,6 +1,7 @@
 """The request contract through the service: penalties, logit_bias and structured outputs
 answer alike online and in a batch; refused fields fail their request alone, naming the field;
-a schema the grammar engine cannot compile fails its line alone."""
+a schema the grammar engine cannot compile fails its line alone; tools without a parser to
+read their calls are refused naming tool_choice."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def test_the_request_contract_online_and_in_a_batch(chat_model: Path, tmp_path: 
                       "json_schema": {"name": "x", "schema": {"$ref": "#/missing"}}}  # fmt: skip
         lines = _lines([*BODIES, {"messages": MESSAGES, "response_format": bad_schema},
                         {"messages": MESSAGES, "max_token": 3},
-                        {"messages": MESSAGES, "tools": [{"type": "function"}]}])  # fmt: skip
+                        {"messages": MESSAGES, "tools": [{"type": "web_search"}]}])  # fmt: skip
         batch_id = submit_batch(url, write_jsonl(tmp_path / "contract.jsonl", lines))
         done = wait_for(url, batch_id, timeout=180)
         assert done["request_counts"] == {"total": 8, "completed": 5, "failed": 3}
@@ -87,7 +88,9 @@ def test_the_request_contract_online_and_in_a_batch(chat_model: Path, tmp_path: 
             errors["6"]["code"] == "unknown_parameter"
             and "body.max_token" in errors["6"]["message"]
         )
-        assert errors["7"]["code"] == "unsupported_parameter"
+        assert errors["7"]["code"] == "invalid_request"
+        assert '"body.tools[0]"' in errors["7"]["message"]
+        assert "web_search" in errors["7"]["message"]
 
         with pytest.raises(openai.BadRequestError) as unknown:
             api.chat.completions.create(model=MODEL, messages=MESSAGES,
@@ -100,7 +103,9 @@ def test_the_request_contract_online_and_in_a_batch(chat_model: Path, tmp_path: 
                 messages=MESSAGES,
                 tools=[{"type": "function", "function": {"name": "f"}}],
             )
-        assert (tools.value.code, tools.value.body["param"]) == ("unsupported_parameter", "tools")
+        # "auto" (the default with tools) needs a parser to read the calls: this server has none
+        assert (tools.value.code, tools.value.body["param"]) == ("invalid_request", "tool_choice")
+        assert "--tool-call-parser" in tools.value.message
         with pytest.raises(openai.BadRequestError) as compile_error:
             api.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=bad_schema)
         assert compile_error.value.code == "invalid_response_format"
