@@ -256,6 +256,11 @@ class ChatMessage(BaseModel):
     name: str | None = None  # given to the chat template, which may use it
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool's result: the call it answers
+    # what an answer carried, as a client that appends the answer's message sends it back: the
+    # thinking goes to templates that render it (Qwen3's `reasoning_content`), a refusal nowhere
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    refusal: str | None = None
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:
@@ -366,6 +371,8 @@ class ChatCompletionBody(_SamplingFields):
                 message["tool_calls"] = [call.model_dump() for call in m.tool_calls]
             if m.tool_call_id is not None:
                 message["tool_call_id"] = m.tool_call_id
+            if (thinking := m.reasoning_content or m.reasoning) is not None:
+                message["reasoning_content"] = thinking
             messages.append(message)
         return messages
 

@@ -271,6 +271,11 @@ def test_calls_and_results_go_back_to_the_template():
         "content": "18 C, sunny",
         "tool_call_id": "call-1",
     }
+    # an answer's message as the openai client sends it back: its refusal (null) is accepted and
+    # its thinking goes to the template under the name Qwen3's reads
+    echoed = {"role": "assistant", "content": "4", "refusal": None, "reasoning": "2 + 2"}
+    again = chat_request("hermes", tools=TOOLS, messages=[*messages, echoed])
+    assert again.messages[3] == {"role": "assistant", "content": "4", "reasoning_content": "2 + 2"}
 
 
 # ---- streaming ---------------------------------------------------------------------------------
