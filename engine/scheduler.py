@@ -14,13 +14,17 @@ computed right now by another sequence waits for it instead of computing the sam
 Sorting is skipped (arrival order) when more than `lpm_max_waiting` sequences wait, and a
 sequence that has waited `max_waiting_time` seconds goes before all others of its priority, so
 nothing starves.
+
+The waiting queue stays in arrival order (a preempted sequence goes back to its front as overdue
+at once), so the order of admission is read off it lazily: a step with no room sorts nothing,
+and one with room for a few looks at a few.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from conveyor.engine.block_manager import BlockManager
@@ -70,12 +74,14 @@ class Scheduler:
         self.waiting_priorities: Counter[int] = Counter()  # priority -> sequences waiting
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
+        self.least_urgent = 0  # the highest priority number ever added
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         seq.arrival_time = self.clock()
         self.waiting.append(seq)
         self.waiting_priorities[seq.request.priority] += 1
+        self.least_urgent = max(self.least_urgent, seq.request.priority)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence forked from a running one joins the running set directly."""
@@ -115,7 +121,9 @@ class Scheduler:
         """Preempt running sequences of a lower priority (a higher number), most recently
         admitted first, while the most urgent waiting sequence has no room to start."""
         most_urgent = min((p for p, n in self.waiting_priorities.items() if n), default=None)
-        if most_urgent is None or all(s.request.priority <= most_urgent for s in self.running):
+        if most_urgent is None or most_urgent >= self.least_urgent:
+            return  # nothing running can be less urgent (the common case: one priority)
+        if all(s.request.priority <= most_urgent for s in self.running):
             return
         urgent = next(s for s in self.waiting if s.request.priority == most_urgent)
         bm = self.block_manager
@@ -134,6 +142,8 @@ class Scheduler:
             self._preempt(victim)
 
     def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> None:
+        if budget <= 0 or len(self.running) >= self.max_num_seqs or not self.waiting:
+            return
         bm = self.block_manager
         in_flight = self._blocks_in_flight() if self.cache_aware else set()
         admitted: set[int] = set()
@@ -174,21 +184,29 @@ class Scheduler:
     def _overdue(self, seq: Sequence) -> bool:
         return self.clock() - seq.arrival_time >= self.max_waiting_time
 
-    def _admission_order(self) -> list[Sequence]:
+    def _admission_order(self) -> Iterator[Sequence]:
         """The most urgent priority first; within one, overdue sequences first (arrival
         order), then the longest cached prefix first."""
-        waiting = list(self.waiting)
-        if not self.cache_aware or len(waiting) > self.lpm_max_waiting:
-            # stable: arrival order within (priority, overdue)
-            return sorted(waiting, key=lambda s: (s.request.priority, not self._overdue(s)))
+        if not self.cache_aware or len(self.waiting) > self.lpm_max_waiting:
+            return self._arrival_order()  # overdue ones lead: the queue is in arrival order
         bm = self.block_manager
+        cutoff = self.clock() - self.max_waiting_time
 
         def key(seq: Sequence) -> tuple[int, int, float]:
-            if self._overdue(seq):
+            if seq.arrival_time <= cutoff:
                 return (seq.request.priority, 0, seq.arrival_time)  # overdue: by arrival
             return (seq.request.priority, 1, -len(bm.match_prefix(seq)))
 
-        return sorted(waiting, key=key)
+        return iter(sorted(self.waiting, key=key))
+
+    def _arrival_order(self) -> Iterator[Sequence]:
+        """The waiting sequences by priority, then arrival, taken as they are asked for."""
+        priorities = sorted(p for p, n in self.waiting_priorities.items() if n)
+        if len(priorities) == 1:
+            yield from self.waiting
+            return
+        for priority in priorities:
+            yield from (s for s in self.waiting if s.request.priority == priority)
 
     def _uncomputed_prompt_keys(self, seq: Sequence) -> list[bytes]:
         """Keys of the full prompt blocks of `seq` whose KV is not computed yet."""
