@@ -346,3 +346,9 @@ def test_content_streams_before_a_call_and_named_arguments_as_they_come():
     assert header["index"] == 0 and header["id"].startswith("chatcmpl-tool-")
     then = stream.chunks(0, output_of(PARIS[:9], finished=False))[-1]["choices"][0]["delta"]
     assert then["tool_calls"] == [{"index": 0, "function": {"arguments": 'y": '}}]
+
+
+def test_the_engine_option_names_every_parser():
+    from conveyor.engine.config import TOOL_CALL_PARSERS
+
+    assert set(TOOL_CALL_PARSERS) == set(PARSERS)
