@@ -62,11 +62,13 @@ class LLM(LLMEngine):
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the chat template to each conversation and generate replies."""
+        """Apply the chat template to each conversation (offering it `tools`, OpenAI's
+        function tools, where given) and generate replies."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs)
+            self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs, tools)
             for c in conversations
         ]
         return self.generate(prompts, params, use_tqdm)

@@ -13,9 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from conveyor.engine.errors import StructuredOutputError
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
-from conveyor.request_outcome import prepare_request
-from conveyor.wire_format.errors import INVALID_FUNCTION_PARAMETERS, RequestError
+from conveyor.request_outcome import engine_error, prepare_request
+from conveyor.wire_format.errors import (
+    INVALID_FUNCTION_PARAMETERS,
+    INVALID_RESPONSE_FORMAT,
+    RequestError,
+)
 from conveyor.wire_format.reasoning import PARSERS as REASONING
 from conveyor.wire_format.request_line import parse_request_line
 from conveyor.wire_format.responses import chat_completion_body
@@ -254,6 +259,19 @@ def test_a_forced_tool_whose_schema_cannot_compile_fails_naming_the_tool():
         chat_request("hermes", tools=[*TOOLS, bad], tool_choice=NAMED).tool_use.name
         == "get_weather"
     )
+
+
+def test_a_forced_calls_grammar_failing_in_the_engine_names_the_tools():
+    forced = chat_request(None, tools=TOOLS, tool_choice="required")
+    err = engine_error(StructuredOutputError("compile timed out"), forced, "r1")
+    assert (err.code, err.param, err.status_code) == (
+        INVALID_FUNCTION_PARAMETERS,
+        "body.tools",
+        400,
+    )
+    auto = chat_request("hermes", tools=TOOLS, response_format={"type": "json_object"})
+    err = engine_error(StructuredOutputError("compile timed out"), auto, "r2")
+    assert (err.code, err.param) == (INVALID_RESPONSE_FORMAT, "body.response_format")
 
 
 def test_calls_and_results_go_back_to_the_template():

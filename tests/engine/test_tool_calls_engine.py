@@ -95,6 +95,9 @@ def test_the_template_gets_the_tools_and_the_calls_and_results_given_back(llm):
     assert '{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}' in text
     assert "<tool_response>\n18 C, sunny\n</tool_response>" in text
     assert text.endswith("<|im_start|>assistant\n")
+    # the library's chat offers the template the same tools
+    (output,) = llm.chat(MESSAGES, use_tqdm=False, tools=TOOLS)
+    assert json.dumps(TOOLS[1]) in llm.tokenizer.decode(output.prompt_token_ids)
 
 
 @pytest.mark.parametrize("seed", range(6))
