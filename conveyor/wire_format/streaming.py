@@ -164,9 +164,9 @@ def _tool_part(
     as soon as no call can begin in it."""
     if use.choice == "named":
         new, opened = answer[sent.arguments or 0 :], sent.arguments is not None
-        sent.arguments = len(answer)
         if not new:
             return "", [], finish_reason
+        sent.arguments = len(answer)
         if opened:
             return "", [{"index": 0, "function": {"arguments": new}}], finish_reason
         (call,) = tool_call_dicts([ToolCall(use.name or "", new)], use)

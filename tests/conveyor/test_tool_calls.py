@@ -358,6 +358,8 @@ def test_content_streams_before_a_call_and_named_arguments_as_they_come():
 
     named = chat_request(None, tools=TOOLS, tool_choice=NAMED)
     stream = ChunkStream([named], 1, "m", TokenDecoder(None), chat=True)
+    assert stream.chunks(0, output_of("", finished=False))[0]["choices"][0]["delta"] == {
+        "role": "assistant", "content": ""}  # fmt: skip
     first = stream.chunks(0, output_of(PARIS[:5], finished=False))[-1]["choices"][0]["delta"]
     (header,) = first["tool_calls"]
     assert header["function"] == {"name": "get_weather", "arguments": '{"cit'}
