@@ -74,11 +74,21 @@ class OutputProcessor:
         return True
 
     def decode(self, seq: Sequence) -> str:
+        """The output's text. The EOS or stop token id that ended it is not part of it (as in
+        vLLM), which shows where special tokens are kept (`skip_special_tokens` false)."""
         if self.tokenizer is None:
             return ""
+        ids = seq.output_token_ids
+        if seq.finish_reason == "stop" and ids and self._ends_by(seq, ids[-1]):
+            ids = ids[:-1]
         return self.tokenizer.decode(
-            seq.output_token_ids, skip_special_tokens=seq.request.params.skip_special_tokens
+            ids, skip_special_tokens=seq.request.params.skip_special_tokens
         )
+
+    def _ends_by(self, seq: Sequence, token: int) -> bool:
+        if seq.stop_reason is None:
+            return token in self.eos_token_ids and not seq.request.params.ignore_eos
+        return seq.stop_reason == token
 
     def request_output(self, request: Request, finished: bool = True) -> RequestOutput:
         """The request's output so far (`finished=False`: a streamed request's), or its last."""

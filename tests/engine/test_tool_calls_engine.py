@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from conveyor.engine import LLM
+from conveyor.engine import LLM, SamplingParams
 from conveyor.request_outcome import prepare_request
 from conveyor.wire_format.request_line import ParsedRequest, parse_request_line
 from conveyor.wire_format.responses import chat_completion_body
@@ -152,4 +152,35 @@ def test_auto_reads_the_calls_the_model_writes(llm):
     assert picked["message"]["content"] == "Let me see.\n"
     ((made),) = picked["message"]["tool_calls"]
     assert made["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(made["function"]["arguments"]), WEATHER)
+
+
+def test_special_tokens_kept_for_a_parser_leave_out_the_token_that_ended_the_output(llm):
+    # the mistral parser keeps special tokens ([TOOL_CALLS] is one): the EOS that ends the
+    # output is no part of its text, nor is a stop token id's, as in vLLM
+    eos = llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    kept = SamplingParams(max_tokens=8, min_tokens=2, skip_special_tokens=False,
+                          logit_bias={eos: 100.0})  # fmt: skip
+    (out,) = llm.generate(["Hello"], kept, use_tqdm=False)[0].outputs
+    assert out.token_ids[-1] == eos and out.finish_reason == "stop"
+    assert out.text == llm.tokenizer.decode(out.token_ids[:-1], skip_special_tokens=False)
+    assert "<|im_end|>" not in out.text
+    stop_at = llm.tokenizer("Paris", add_special_tokens=False).input_ids[0]
+    stopped = SamplingParams(max_tokens=8, min_tokens=1, stop_token_ids=[stop_at],
+                             logit_bias={stop_at: 100.0})  # fmt: skip
+    (out,) = llm.generate(["Hello"], stopped, use_tqdm=False)[0].outputs
+    assert (out.token_ids[-1], out.stop_reason) == (stop_at, stop_at)
+    assert out.text == llm.tokenizer.decode(out.token_ids[:-1])
+
+
+def test_the_mistral_parser_reads_the_calls_the_model_writes(checkpoints):
+    mistral = LLM(str(checkpoints["llama"]), device="cpu", dtype="float32",
+                  chat_template=TOOLS_TEMPLATE, tool_call_parser="mistral")  # fmt: skip
+    arguments = r'\{"city": "[a-z]{1,6}", "days": [1-7]\}'
+    written = r"\[TOOL_CALLS\]get_weather\[ARGS\]" + arguments
+    request = chat(temperature=1.0, seed=2, guided_regex=written)
+    (picked,) = answer(mistral, request)["choices"]
+    assert picked["finish_reason"] == "tool_calls" and picked["message"]["content"] is None
+    (made,) = picked["message"]["tool_calls"]
+    assert made["function"]["name"] == "get_weather" and len(made["id"]) == 9
     jsonschema.validate(json.loads(made["function"]["arguments"]), WEATHER)
