@@ -259,7 +259,9 @@ class Worker(BaseModel):
         default=None, description="fraction of KV-cache blocks in use, 0..1"
     )
     kv_bytes_per_token: int | None = Field(
-        default=None, description="KV-cache bytes one token of context takes, all layers"
+        default=None,
+        description="KV-cache bytes one more token of a long context takes (the global layers' "
+        "only, where sliding-window layers give theirs back)",
     )
     prefix_cache_hit_rate: float | None = Field(
         default=None, description="fraction of prompt tokens served from the prefix cache"

@@ -361,7 +361,7 @@ def decode_rates(plan: Plan, llm, path: Path, vocab: int) -> dict[str, Any]:
     rates = {}
     net = llm.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
-    kv_per_token = llm.runner.bytes_per_block(net, 1, plan.dtype)
+    kv_per_token = llm.kv_bytes_per_token
     copy_bw = None
     if plan.device.type == "cuda":
         from triton_decode import copy_bandwidth

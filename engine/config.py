@@ -128,6 +128,13 @@ class EngineConfig:
         "do not share KV cache blocks between requests with a common prefix",
         off_switch="--no-prefix-caching",
     )
+    hybrid_kv_cache: bool = _option(
+        True,
+        "keep every layer's KV for the whole context, even where sliding-window layers mix "
+        "with global ones (Gemma 2 and 3): by default their windowed layers give back what "
+        "they no longer read",
+        off_switch="--no-hybrid-kv-cache",
+    )
     cuda_graphs: bool = _option(
         True,
         "run every step eagerly, without the CUDA graphs a GPU worker records for decode steps",

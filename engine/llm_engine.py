@@ -26,6 +26,7 @@ from conveyor.engine.errors import (
     InvalidSamplingParamsError,
     StructuredOutputError,
 )
+from conveyor.engine.kv_layout import KVLayout
 from conveyor.engine.loader import (
     config_dtype,
     default_sampling,
@@ -72,7 +73,7 @@ class EngineStats:
     num_steps: int
     kv_blocks_saved: int = 0  # prompt blocks shared from the prefix cache instead of computed
     num_deferred: int = 0  # admissions put off to reuse a prefix being computed
-    kv_bytes_per_token: int = 0  # what one token of context holds in the KV cache, all layers
+    kv_bytes_per_token: int = 0  # what one more token of a long context holds in the KV cache
 
     @property
     def prompt_tokens_total(self) -> int:
@@ -95,16 +96,19 @@ class LLMEngine:
         backend = get_attention_backend(config.attention_backend, self.device)
         self.plan = self._plan(net, backend)
         net.use_elementwise(self.plan.elementwise)
+        self.kv_layout = KVLayout.of(net.layer_windows(), config.hybrid_kv_cache)
         num_kv_blocks = self._num_kv_blocks(net, backend)
-        self.kv_bytes_per_token = ModelRunner.bytes_per_block(net, 1, self.dtype)
+        self.kv_bytes_per_token = self.kv_layout.context_token_bytes(
+            ModelRunner.layer_block_bytes(net, 1, self.dtype)
+        )
         self.max_model_len = self._max_model_len(num_kv_blocks)
         self.block_size = config.block_size
 
-        window = net.common_window()
+        windows = self.kv_layout.windows
         # one more block where windowed sequences give blocks back: NULL_BLOCK, never handed out
-        pool_blocks = num_kv_blocks + (window is not None)
+        pool_blocks = num_kv_blocks + any(w is not None for w in windows)
         self.block_manager = BlockManager(
-            pool_blocks, config.block_size, config.enable_prefix_caching, window
+            pool_blocks, config.block_size, config.enable_prefix_caching, windows=windows
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -115,7 +119,7 @@ class LLMEngine:
             max_waiting_time=config.max_waiting_time,
         )
         self.runner = ModelRunner(
-            net, backend, pool_blocks, config.block_size, self.device, self.dtype
+            net, backend, pool_blocks, config.block_size, self.device, self.dtype, self.kv_layout
         )
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
@@ -186,13 +190,16 @@ class LLMEngine:
         c = self.engine_config
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
-        per_block = ModelRunner.bytes_per_block(net, c.block_size, self.dtype)
+        per_block = self.kv_layout.block_bytes(
+            ModelRunner.layer_block_bytes(net, c.block_size, self.dtype)
+        )
         kv_bytes = c.kv_cache_memory
         if kv_bytes is None and self.device.type == "cuda":
             kv_bytes = self._gpu_kv_bytes(net, backend)
         num_kv_blocks = self._budget_blocks(kv_bytes, per_block)
-        # never more than max_num_seqs sequences of full length can use
-        return min(num_kv_blocks, c.max_num_seqs * -(-self._longest() // c.block_size))
+        # never more than max_num_seqs sequences of full length can use, in every group
+        blocks_per_seq = -(-self._longest() // c.block_size) * self.kv_layout.num_groups
+        return min(num_kv_blocks, c.max_num_seqs * blocks_per_seq)
 
     def _longest(self) -> int:
         """The longest sequence asked for: --max-model-len, else the model's positions."""
@@ -200,15 +207,16 @@ class LLMEngine:
 
     def _max_model_len(self, num_kv_blocks: int) -> int:
         """The configured max_model_len, else the model's, capped by what the KV cache holds
-        (all of a sequence's blocks, even where a window lets it give most back: a prompt
-        whose whole prefix is cached takes every block of it at admission)."""
+        (all of a sequence's blocks in every group, even where a window lets it give most back:
+        a prompt chunk takes blocks for all its tokens before the window moves past them)."""
         max_model_len, block_size = self.engine_config.max_model_len, self.engine_config.block_size
-        capacity = num_kv_blocks * block_size
+        capacity = num_kv_blocks // self.kv_layout.num_groups * block_size
         if max_model_len is None:
             return min(self.model_len_limit, capacity)
         if max_model_len > capacity:
             raise ValueError(
-                f"the KV cache holds {capacity} tokens ({num_kv_blocks} blocks of {block_size}), "
+                f"the KV cache holds {capacity} tokens of a sequence ({num_kv_blocks} blocks of "
+                f"{block_size}, {self.kv_layout.num_groups} per position), "
                 f"fewer than max_model_len={max_model_len}; give it more blocks or memory"
             )
         return max_model_len
@@ -481,7 +489,7 @@ class LLMEngine:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_computed_blocks(item.seq)
         self.prompt_logprobs.keep(scheduled, result.prompt_boundaries)
-        if self.block_manager.window is not None:  # after the prompt logprobs read the blocks
+        if self.block_manager.windowed:  # after the prompt logprobs read the blocks
             for item in scheduled:
                 self.block_manager.release_outside_window(item.seq)
         seqs, rows, failed = self._samples(completing)

@@ -45,7 +45,7 @@ def largest_step(
     prompt = [3 + t % max(1, vocab_size - 3) for t in range(num_tokens)]
     params = SamplingParams(temperature=1.0, top_p=0.9)
     seq = Sequence(Request(PROFILE_REQUEST, None, prompt, params), 0, list(prompt), num_tokens)
-    seq.block_table = list(range(num_blocks))
+    seq.tables = [list(range(num_blocks))]
     result = runner.run([ScheduledSeq(seq, num_tokens)], prompt_logprob_seqs=set())
     one_row = torch.zeros(num_rows, dtype=torch.long, device=device)
     logits = result.sample_logits.index_select(0, one_row)

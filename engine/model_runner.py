@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from conveyor.engine.cuda_graphs import Capture, DecodeGraphs, buckets_for
+from conveyor.engine.kv_layout import KVLayout
 from conveyor.engine.models import DecoderForCausalLM
 from conveyor.engine.models.layers import LongRope
 from conveyor.engine.scheduler import ScheduledSeq
@@ -37,6 +38,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        layout: KVLayout | None = None,
     ):
         self.model = model
         self.backend = backend
@@ -44,16 +46,20 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        self.layout = layout or KVLayout.single(model.layer_windows())
+        model.use_kv_groups(list(self.layout.layer_group))
         # shared prefixes read once per step for all their sequences (the CPU backends)
         self.cascade = getattr(backend, "cascade", False) and device.type == "cpu"
         shape = (num_blocks, model.num_kv_heads, block_size, model.head_dim)
-        self.kv_caches = [
+        self.slot_caches = [
             (
                 torch.zeros(shape, dtype=dtype, device=device),
                 torch.zeros(shape, dtype=dtype, device=device),
             )
-            for _ in range(model.num_layers)
+            for _ in range(self.layout.num_slots)
         ]
+        # each layer's cache: its slot's (layers of different groups share one, by block id)
+        self.kv_caches = [self.slot_caches[slot] for slot in self.layout.layer_slot]
 
     def forward_decode(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -66,6 +72,8 @@ class ModelRunner:
         """Record decode graphs and check one replay against the eager step; None when they
         are on, else why they are off."""
         self.graphs = None
+        if self.layout.hybrid:
+            return "the KV cache has a block table per layer group; the graphs take one"
         max_blocks = -(-max_model_len // self.block_size)
         try:
             graphs = DecodeGraphs.record(
@@ -100,48 +108,57 @@ class ModelRunner:
         return None
 
     @staticmethod
-    def bytes_per_block(model: DecoderForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    def layer_block_bytes(model: DecoderForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+        """What one layer's block of `block_size` tokens holds (K and V)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * itemsize
+        return 2 * block_size * model.num_kv_heads * model.head_dim * itemsize
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
+        for k_cache, v_cache in self.slot_caches:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq], prompt_logprob_seqs: set[int]) -> ForwardResult:
         """One forward pass; `scheduled` must list decodes (one new token) before prefills."""
-        step = StepLayout.of(scheduled, prompt_logprob_seqs, self.block_size, self.model.long_rope)
+        step = StepLayout.of(
+            scheduled, prompt_logprob_seqs, self.block_size, self.model.long_rope,
+            self.layout.num_groups,
+        )  # fmt: skip
         dev = self.device
         kept = step.output_rows()
         at = {row: i for i, row in enumerate(kept or range(len(step.input_ids)))}
         # every integer input of the step in one host-to-device copy
         upload = StepUpload(dev)
-        slots = upload.add(step.slots)
+        slots = [upload.add(group_slots) for group_slots in step.slots]
         input_ids = upload.add(step.input_ids)
         positions = upload.add(step.positions)
         kept_rows = None if kept is None else upload.add(kept)
         sample_rows = upload.add([at[r] for r in step.sample_rows])
-        finish_meta = AttentionMetadata.stage(step.tables, upload)
+        finish_metas = [AttentionMetadata.stage(tables, upload) for tables in step.tables]
         fetch = upload.send()
-        slot_mapping = fetch(slots)
-        meta = finish_meta(slot_mapping, fetch)
-        if self.cascade:
-            meta.cascade = plan_cascade(slot_mapping, step.tables, self.block_size, dev)
+        metas = []
+        for g, finish_meta in enumerate(finish_metas):
+            slot_mapping = fetch(slots[g])
+            meta = finish_meta(slot_mapping, fetch)
+            if self.cascade and self.layout.windows[g] is None:
+                meta.cascade = plan_cascade(slot_mapping, step.tables[g], self.block_size, dev)
+            metas.append(meta)
+        meta = metas[0] if len(metas) == 1 else metas
         graphs = self.graphs
         if (
             graphs is not None
+            and len(metas) == 1
             and kept_rows is None
-            and meta.num_prefills == 0
-            and meta.cascade is None
-            and graphs.covers(meta.num_decode_tokens)
+            and metas[0].num_prefills == 0
+            and metas[0].cascade is None
+            and graphs.covers(metas[0].num_decode_tokens)
         ):
-            hidden = graphs.run(fetch(input_ids), fetch(positions), meta)
+            hidden = graphs.run(fetch(input_ids), fetch(positions), metas[0])
         else:
             hidden = self.model(
                 fetch(input_ids),
@@ -169,13 +186,14 @@ class StepLayout:
 
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)  # rows of the rope table (`LongRope`)
-    slots: list[int] = field(default_factory=list)  # KV cache slot of each token
+    # per KV group: the cache slot of each token, and the batch's block tables
+    slots: list[list[int]] = field(default_factory=lambda: [[]])
     sample_rows: list[int] = field(default_factory=list)  # rows whose logits are sampled
     # seq_id -> (first position, row start, row end) of the rows predicting prompt tokens
     prompt_rows: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     # seq_id -> [(position, row)] of the last position of each full prompt block
     boundary_rows: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
-    tables: BatchTables = field(default_factory=lambda: BatchTables([], [], [], [], [0]))
+    tables: list[BatchTables] = field(default_factory=lambda: [BatchTables([], [], [], [], [0])])
 
     @classmethod
     def of(
@@ -184,14 +202,20 @@ class StepLayout:
         prompt_logprob_seqs: set[int],
         block_size: int,
         long_rope: LongRope | None = None,
+        num_groups: int = 1,
     ) -> StepLayout:
         step, bs = cls(), block_size
-        tables = step.tables
+        tables = step.tables[0]
+        # the other groups: their own tables and slots, the lengths of the first group's
+        step.tables += [
+            BatchTables([], tables.decode_lens, [], tables.prefill_lens, tables.query_start)
+            for _ in range(num_groups - 1)
+        ]
+        step.slots += [[] for _ in range(num_groups - 1)]
         for item in scheduled:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
             row = len(step.input_ids)
-            table = seq.block_table
             if long_rope is not None:
                 step.positions.extend(long_rope.rows(start, n, seq.rope_long))
             elif n == 1:
@@ -200,15 +224,19 @@ class StepLayout:
                 step.positions.extend(range(start, start + n))
             if n == 1:  # a decode: the common case, without slices and generators
                 step.input_ids.append(seq.token_ids[start])
-                step.slots.append(table[start // bs] * bs + start % bs)
+                for slots, table in zip(step.slots, seq.tables, strict=True):
+                    slots.append(table[start // bs] * bs + start % bs)
             else:
                 step.input_ids.extend(seq.token_ids[start : start + n])
-                step.slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+                for slots, table in zip(step.slots, seq.tables, strict=True):
+                    slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if n == 1 and not tables.prefill_lens:
-                tables.decode_tables.append(table)
+                for group_tables, table in zip(step.tables, seq.tables, strict=True):
+                    group_tables.decode_tables.append(table)
                 tables.decode_lens.append(start + 1)
             else:
-                tables.prefill_tables.append(table)
+                for group_tables, table in zip(step.tables, seq.tables, strict=True):
+                    group_tables.prefill_tables.append(table)
                 tables.prefill_lens.append(start + n)
                 tables.query_start.append(tables.query_start[-1] + n)
             if item.completes:

@@ -34,11 +34,13 @@ class Sequence:
     generator: torch.Generator | None = None
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
-    block_table: list[int] = field(default_factory=list)
+    # one block table per KV group (`kv_layout`), all of the same length
+    tables: list[list[int]] = field(default_factory=lambda: [[]])
     block_keys: list[bytes] = field(default_factory=list)  # chained keys of its full blocks
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
-    num_released_blocks: int = 0  # leading blocks given back, outside every window
+    # per group: leading blocks given back, outside the window of the group's layers
+    released: list[int] = field(default_factory=lambda: [0])
     logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
@@ -51,6 +53,19 @@ class Sequence:
     deferred_matcher: Any = None
     prompt_token_set: torch.Tensor | None = None  # distinct prompt ids (repetition penalty)
     rope_long: bool = False  # computed with LongRoPE's long factors (`layers.LongRope`)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The block table of the first KV group (the only one, where layers are alike)."""
+        return self.tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.tables[0] = table
+
+    @property
+    def num_released_blocks(self) -> int:
+        return self.released[0]
 
     @property
     def num_tokens(self) -> int:

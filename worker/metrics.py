@@ -51,7 +51,8 @@ class EngineCollector(Collector):
             ("conveyor:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
              used / total if total else 0.0),
             ("conveyor:kv_cache_bytes_per_token",
-             "KV cache bytes one token of context takes, all layers.",
+             "KV cache bytes one more token of a long context takes (global layers only where "
+             "sliding-window layers give theirs back).",
              get("kv_bytes_per_token")),
         ]  # fmt: skip
         counters = [

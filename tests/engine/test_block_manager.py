@@ -2,7 +2,8 @@
 
 A shadow cache stores, for every slot, the token whose KV would be there. Each step checks the
 reference counts against the live block tables, and that every live sequence reads back exactly
-its own tokens through its block table (which catches a missed copy-on-write or a bad cache hit).
+its own tokens through each of its block tables (which catches a missed copy-on-write or a bad
+cache hit), with one KV group, one windowed group, and a full and a windowed group side by side.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ stems = st.sampled_from([[], [1, 1, 1, 1], [2, 0, 2, 0, 1, 1, 1, 1]])
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    window: int | None = None  # every layer's sliding window, or None
+    windows: tuple[int | None, ...] = (None,)  # each KV group's sliding window, or None
 
     def __init__(self):
         super().__init__()
-        reserved = self.window is not None  # NULL_BLOCK
+        self.windowed = any(w is not None for w in self.windows)
+        reserved = self.windowed  # NULL_BLOCK
         self.bm = BlockManager(NUM_BLOCKS + reserved, BLOCK_SIZE, enable_prefix_caching=True,
-                               window=self.window)  # fmt: skip
+                               windows=self.windows)  # fmt: skip
         self.slots: dict[int, int] = {}  # slot -> token whose KV it holds
         self.live: list[Sequence] = []
 
@@ -44,9 +46,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 if src * BLOCK_SIZE + off in self.slots:
                     self.slots[dst * BLOCK_SIZE + off] = self.slots[src * BLOCK_SIZE + off]
         start = seq.num_computed_tokens
-        for pos in range(start, start + num_new):
-            slot = seq.block_table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-            self.slots[slot] = seq.token_ids[pos]
+        for table in seq.tables:
+            for pos in range(start, start + num_new):
+                slot = table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+                self.slots[slot] = seq.token_ids[pos]
         seq.num_computed_tokens += num_new
         self.bm.register_computed_blocks(seq)
         self.bm.release_outside_window(seq)
@@ -86,11 +89,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def free(self, i):
         seq = self.live.pop(i % len(self.live))
         self.bm.free(seq)
-        assert seq.block_table == []
+        assert seq.tables == [[]] * len(self.windows)
 
     @invariant()
     def ref_counts_match_tables(self):
-        held = Counter(b for seq in self.live for b in seq.block_table if b != self._null())
+        held = Counter(
+            b for seq in self.live for table in seq.tables for b in table if b != self._null()
+        )
         for block in self.bm.blocks:
             if block.block_id == self._null():
                 assert block.ref_count == 1 and block.block_id not in self.bm._free
@@ -105,19 +110,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.bm.blocks[block_id].key == key
 
     def _null(self) -> int | None:
-        return None if self.window is None else NULL_BLOCK
+        return NULL_BLOCK if self.windowed else None
 
     @invariant()
     def every_sequence_reads_its_own_tokens(self):
-        """... at every position its next query sees (all of them without a window); the
-        blocks wholly before that were given back."""
+        """... at every position its next query sees in each group (all of them without a
+        window); the blocks wholly before that were given back."""
         for seq in self.live:
-            first = 0 if self.window is None else max(0, seq.num_computed_tokens - self.window + 1)
-            released = first // BLOCK_SIZE
-            assert seq.block_table[:released] == [self._null()] * released
-            for pos in range(first, seq.num_computed_tokens):
-                slot = seq.block_table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-                assert self.slots.get(slot) == seq.token_ids[pos], (seq.seq_id, pos)
+            assert len({len(table) for table in seq.tables}) == 1, "tables grow together"
+            for table, window in zip(seq.tables, self.windows, strict=True):
+                first = 0 if window is None else max(0, seq.num_computed_tokens - window + 1)
+                released = first // BLOCK_SIZE
+                assert table[:released] == [self._null()] * released
+                for pos in range(first, seq.num_computed_tokens):
+                    slot = table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+                    assert self.slots.get(slot) == seq.token_ids[pos], (seq.seq_id, pos)
 
     def teardown(self):
         for seq in self.live:
@@ -129,7 +136,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
 class WindowedBlockManagerMachine(BlockManagerMachine):
     """Every layer windowed (6 tokens, blocks of 4): blocks before the window go back."""
 
-    window = 6
+    windows = (6,)
+
+
+class HybridBlockManagerMachine(BlockManagerMachine):
+    """A full-attention group beside a windowed one (Gemma's local and global layers), from
+    one pool: the windowed group's blocks before its window go back, and a prefix hit needs
+    only the windowed group's blocks inside the window of its first token to compute."""
+
+    windows = (None, 6)
 
 
 TestBlockManager = BlockManagerMachine.TestCase
@@ -137,6 +152,9 @@ TestBlockManager.settings = settings(max_examples=300, stateful_step_count=40, d
 TestWindowedBlockManager = WindowedBlockManagerMachine.TestCase
 TestWindowedBlockManager.settings = settings(max_examples=200, stateful_step_count=40,
                                              deadline=None)  # fmt: skip
+TestHybridBlockManager = HybridBlockManagerMachine.TestCase
+TestHybridBlockManager.settings = settings(max_examples=200, stateful_step_count=40,
+                                           deadline=None)  # fmt: skip
 
 
 def test_double_free_is_caught():

@@ -6,6 +6,9 @@ import pytest
 import torch
 
 from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.kv_layout import KVLayout
+from conveyor.engine.loader import load_config
+from conveyor.engine.models.decoder import layer_windows
 from tests.hf_reference import ARCHS, hf_greedy, random_prompts
 
 PROMPTS = random_prompts(24, 1, 300, seed=1)
@@ -35,7 +38,11 @@ def run(llm: LLM) -> list[list[int]]:
 @pytest.mark.parametrize(("arch", "config"), CASES)
 def test_greedy_matches_transformers(checkpoints, arch, config):
     path = checkpoints[arch]
-    llm = LLM(str(path), device="cpu", dtype="float32", **CONFIGS[config])
+    options = dict(CONFIGS[config])
+    groups = KVLayout.of(layer_windows(load_config(path))).num_groups
+    if "num_kv_blocks" in options:  # a block of each KV group per position (Gemma: two)
+        options["num_kv_blocks"] *= groups
+    llm = LLM(str(path), device="cpu", dtype="float32", **options)
     outputs = run(llm)
     for prompt, max_tokens, got in zip(PROMPTS, MAX_TOKENS, outputs, strict=True):
         want = hf_greedy(path, prompt, max_tokens)
@@ -44,7 +51,9 @@ def test_greedy_matches_transformers(checkpoints, arch, config):
     assert stats.kv_blocks_used == 0, "every block is released once all requests end"
     assert stats.num_running == stats.num_waiting == 0
     if config == "tiny-pool-preempts":
-        assert stats.num_preemptions > 0
+        # where windowed layers give their blocks back the pool is no longer short
+        # (test_hybrid_kv_cache preempts those)
+        assert stats.num_preemptions > 0 or groups > 1
     else:
         assert stats.num_preemptions == 0
     if config == "chunked-prefill":
