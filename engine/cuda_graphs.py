@@ -11,6 +11,9 @@ kernels compute from the context lengths in memory at replay.
 A graph that replays wrongly is worse than none, and CI has no GPU to catch it, so after
 capture the runner checks itself: one step replayed against the eager forward pass on the same
 inputs; if they differ, or capture raised, graphs are off with the reason logged.
+
+A hybrid KV layout (`kv_layout`) has a block table and KV slots per layer group: the static
+buffers hold one of each per group, and the forward pass gets one metadata per group.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from conveyor.kernels.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
-Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# a decode step's metadata: one, or one per KV group
+StepMeta = AttentionMetadata | list[AttentionMetadata]
+Forward = Callable[[torch.Tensor, torch.Tensor, StepMeta], torch.Tensor]
 # records `run` (a forward pass over the static buffers), returns what replays it and the
 # tensor its output lands in
 Replay = tuple[Callable[[], None], torch.Tensor]
@@ -59,30 +64,38 @@ def cuda_capture(device: torch.device) -> Capture:
 
 @dataclass
 class StaticInputs:
-    """The buffers every graph reads: one row per sequence, `max_batch` rows."""
+    """The buffers every graph reads: one row per sequence, `max_batch` rows; the KV slots
+    and block tables once per KV group."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    slots: torch.Tensor
-    tables: torch.Tensor  # [max_batch, blocks of the longest sequence]
+    slots: list[torch.Tensor]
+    tables: list[torch.Tensor]  # [max_batch, blocks of the longest sequence]
     context_lens: torch.Tensor
 
     @classmethod
-    def empty(cls, max_batch: int, max_blocks: int, device: torch.device) -> StaticInputs:
+    def empty(
+        cls, max_batch: int, max_blocks: int, device: torch.device, num_groups: int = 1
+    ) -> StaticInputs:
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.long, device=device)
 
-        return cls(zeros(max_batch), zeros(max_batch), zeros(max_batch).fill_(-1),
-                   zeros(max_batch, max_blocks), zeros(max_batch))  # fmt: skip
+        groups = range(num_groups)
+        return cls(zeros(max_batch), zeros(max_batch), [zeros(max_batch).fill_(-1) for _ in groups],
+                   [zeros(max_batch, max_blocks) for _ in groups], zeros(max_batch))  # fmt: skip
 
-    def metadata(self, batch: int, max_context_len: int) -> AttentionMetadata:
+    def metadata(self, batch: int, max_context_len: int) -> StepMeta:
         """A decode step of the first `batch` rows, its split count planned for
-        `max_context_len`."""
+        `max_context_len`: one metadata per KV group (a single one for one group)."""
+        metas = [self._group_metadata(g, batch, max_context_len) for g in range(len(self.slots))]
+        return metas[0] if len(metas) == 1 else metas
+
+    def _group_metadata(self, group: int, batch: int, max_context_len: int) -> AttentionMetadata:
         device = self.input_ids.device
         return AttentionMetadata(
-            slot_mapping=self.slots[:batch],
+            slot_mapping=self.slots[group][:batch],
             num_decode_tokens=batch,
-            decode_block_tables=self.tables[:batch],
+            decode_block_tables=self.tables[group][:batch],
             decode_context_lens=self.context_lens[:batch],
             prefill_block_tables=torch.zeros((0, 0), dtype=torch.long, device=device),
             prefill_query_start=[0],
@@ -96,22 +109,24 @@ class StaticInputs:
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: StepMeta,
         bucket: int,
     ) -> None:
         """Copy a decode step's inputs into the first rows (device to device) and pad the rows
         up to `bucket` so that they write nothing and read nothing."""
         n = input_ids.shape[0]
-        # a table may hold a block reserved beyond max_model_len's; no query reads it
-        width = min(meta.decode_block_tables.shape[1], self.tables.shape[1])
+        metas = meta if isinstance(meta, list) else [meta]
+        for slots, tables, group_meta in zip(self.slots, self.tables, metas, strict=True):
+            # a table may hold a block reserved beyond max_model_len's; no query reads it
+            width = min(group_meta.decode_block_tables.shape[1], tables.shape[1])
+            slots[:n].copy_(group_meta.slot_mapping)
+            tables[:n, :width].copy_(group_meta.decode_block_tables[:, :width])
+            slots[n:bucket].fill_(-1)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
-        self.slots[:n].copy_(meta.slot_mapping)
-        self.tables[:n, :width].copy_(meta.decode_block_tables[:, :width])
-        self.context_lens[:n].copy_(meta.decode_context_lens)
+        self.context_lens[:n].copy_(metas[0].decode_context_lens)
         self.input_ids[n:bucket].zero_()
         self.positions[n:bucket].zero_()
-        self.slots[n:bucket].fill_(-1)
         self.context_lens[n:bucket].zero_()
 
 
@@ -134,8 +149,9 @@ class DecodeGraphs:
         max_context_len: int,
         device: torch.device,
         capture: Capture,
+        num_groups: int = 1,
     ) -> DecodeGraphs:
-        static = StaticInputs.empty(max(buckets), max_blocks, device)
+        static = StaticInputs.empty(max(buckets), max_blocks, device, num_groups)
         replays = {}
         for bucket in sorted(buckets, reverse=True):  # the largest first: the pool fits all
             meta = static.metadata(bucket, max_context_len)
@@ -149,9 +165,7 @@ class DecodeGraphs:
         return 0 < batch <= self.max_batch
 
     @torch.inference_mode()
-    def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         """The final hidden states of a decode step of `len(input_ids)` sequences."""
         n = input_ids.shape[0]
         bucket = min(b for b in self.replays if b >= n)

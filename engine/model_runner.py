@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from conveyor.engine.cuda_graphs import Capture, DecodeGraphs, buckets_for
+from conveyor.engine.cuda_graphs import Capture, DecodeGraphs, StepMeta, buckets_for
 from conveyor.engine.kv_layout import KVLayout
 from conveyor.engine.models import DecoderForCausalLM
 from conveyor.engine.models.layers import LongRope
@@ -62,7 +62,7 @@ class ModelRunner:
         self.kv_caches = [self.slot_caches[slot] for slot in self.layout.layer_slot]
 
     def forward_decode(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMeta
     ) -> torch.Tensor:
         """The final hidden states of every row of a decode step, eagerly."""
         return self.model(input_ids, positions, self.kv_caches, meta, self.backend, None)
@@ -72,13 +72,11 @@ class ModelRunner:
         """Record decode graphs and check one replay against the eager step; None when they
         are on, else why they are off."""
         self.graphs = None
-        if self.layout.hybrid:
-            return "the KV cache has a block table per layer group; the graphs take one"
         max_blocks = -(-max_model_len // self.block_size)
         try:
             graphs = DecodeGraphs.record(
                 self.forward_decode, buckets_for(max_num_seqs), max_blocks, max_model_len,
-                self.device, capture,
+                self.device, capture, self.layout.num_groups,
             )  # fmt: skip
             mismatch = self._check_graphs(graphs)
         except Exception as err:  # noqa: BLE001 - any failure means no graphs, said why
@@ -91,13 +89,20 @@ class ModelRunner:
     @torch.inference_mode()
     def _check_graphs(self, graphs: DecodeGraphs) -> str | None:
         """One decode step of up to 3 sequences (padded to its bucket) replayed and run
-        eagerly on the same inputs: None when they agree."""
-        n = min(3, graphs.max_batch, len(self.kv_caches[0][0]))
+        eagerly on the same inputs: None when they agree. Each KV group's sequences hold
+        blocks of their own."""
+        groups = self.layout.num_groups
+        n = min(3, graphs.max_batch, len(self.kv_caches[0][0]) // groups)
         bs = self.block_size
         positions = [bs - 1, bs // 2, 0][:n]
-        tables = BatchTables([[i] for i in range(n)], [p + 1 for p in positions], [], [], [0])
-        slots = to_device([i * bs + p for i, p in enumerate(positions)], self.device)
-        meta = AttentionMetadata.build(slots, tables, self.device)
+        metas = []
+        for g in range(groups):
+            blocks = [g * n + i for i in range(n)]
+            tables = BatchTables([[b] for b in blocks], [p + 1 for p in positions], [], [], [0])
+            slots = [b * bs + p for b, p in zip(blocks, positions, strict=True)]
+            slots = to_device(slots, self.device)
+            metas.append(AttentionMetadata.build(slots, tables, self.device))
+        meta = metas[0] if groups == 1 else metas
         ids, pos = to_device(list(range(1, n + 1)), self.device), to_device(positions, self.device)
         eager = self.forward_decode(ids, pos, meta).float()
         replayed = graphs.run(ids, pos, meta).float()
@@ -152,13 +157,12 @@ class ModelRunner:
         graphs = self.graphs
         if (
             graphs is not None
-            and len(metas) == 1
             and kept_rows is None
             and metas[0].num_prefills == 0
-            and metas[0].cascade is None
+            and all(m.cascade is None for m in metas)
             and graphs.covers(metas[0].num_decode_tokens)
         ):
-            hidden = graphs.run(fetch(input_ids), fetch(positions), metas[0])
+            hidden = graphs.run(fetch(input_ids), fetch(positions), meta)
         else:
             hidden = self.model(
                 fetch(input_ids),

@@ -118,3 +118,26 @@ def test_padded_rows_write_no_kv_and_read_nothing(llm):
             assert changed == [[20, 2], [21, 2], [22, 2]]
     finally:
         runner.graphs = None
+
+
+def test_a_hybrid_kv_layout_replays_with_a_table_per_group(checkpoints):
+    """Gemma 3's local and global layers keep a block table each (`kv_layout`): the graphs
+    hold static tables per group, and replayed steps past the window give transformers'
+    tokens."""
+    path = checkpoints["gemma3"]
+    llm = LLM(
+        str(path), device="cpu", dtype="float32", block_size=8, max_num_seqs=4,
+        max_num_batched_tokens=64, attention_backend="triton",
+    )  # fmt: skip
+    assert llm.kv_layout.num_groups == 2
+    assert llm.runner.record_graphs(4, llm.max_model_len, replay_by_running_again) is None
+    assert len(llm.runner.graphs.static.tables) == 2
+    graphs, replayed = llm.runner.graphs, []
+    run = graphs.run
+    graphs.run = lambda ids, pos, meta: replayed.append(len(meta)) or run(ids, pos, meta)
+    prompts = random_prompts(3, 20, 40, seed=8)  # past the 16-token window
+    params = SamplingParams(temperature=0, max_tokens=12)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, 12)
+    assert replayed and set(replayed) == {2}  # one metadata per group
