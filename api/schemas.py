@@ -179,6 +179,11 @@ class Model(BaseModel):
     created: int
     owned_by: str = "conveyor"
     workers: int = Field(description="live workers serving this model")
+    fingerprints: list[str] = Field(
+        default_factory=list,
+        description="the model fingerprints of its workers (one, unless they run different "
+        "weights, tokenizers, templates or numerics under this name)",
+    )
     default_sampling: dict[str, int | float] = Field(
         default_factory=dict,
         description="the sampling a request that leaves a field out gets: the checkpoint's "
@@ -270,6 +275,11 @@ class Worker(BaseModel):
     preemptions: int | None = None
     running_shards: int = Field(description="shards this worker holds now")
     plan: EnginePlan | None = Field(default=None, description="how its engine runs each piece")
+    fingerprint: str | None = Field(
+        default=None,
+        description="a hash of what decides its answers: the weights' contents, config, "
+        "tokenizer, chat template, generation_config.json and the engine's numerics",
+    )
     default_sampling: dict[str, int | float] = Field(
         default_factory=dict,
         description="what its requests get for a sampling field they leave out (the "

@@ -69,8 +69,14 @@ def _worker(row: WorkerRow, running_shards: int) -> schemas.Worker:
         preemptions=_count(stats, "num_preemptions"),
         running_shards=running_shards,
         plan=_plan(stats.get("plan")),
+        fingerprint=fingerprint(stats),
         default_sampling=default_sampling(stats),
     )
+
+
+def fingerprint(stats: dict[str, Any] | None) -> str | None:
+    value = (stats or {}).get("fingerprint")
+    return value if isinstance(value, str) else None
 
 
 def default_sampling(stats: dict[str, Any] | None) -> dict[str, int | float]:

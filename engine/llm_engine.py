@@ -26,6 +26,7 @@ from conveyor.engine.errors import (
     InvalidSamplingParamsError,
     StructuredOutputError,
 )
+from conveyor.engine.fingerprint import engine_version, model_fingerprint
 from conveyor.engine.kv_layout import KVLayout
 from conveyor.engine.loader import (
     config_dtype,
@@ -96,6 +97,7 @@ class LLMEngine:
         backend = get_attention_backend(config.attention_backend, self.device)
         self.plan = self._plan(net, backend)
         net.use_elementwise(self.plan.elementwise)
+        self.fingerprint = self._fingerprint()
         self.kv_layout = KVLayout.of(net.layer_windows(), config.hybrid_kv_cache)
         num_kv_blocks = self._num_kv_blocks(net, backend)
         self.kv_bytes_per_token = self.kv_layout.context_token_bytes(
@@ -171,6 +173,22 @@ class LLMEngine:
             )
         self.model_len_limit = max_positions
         return load_model(path, hf_config, self.dtype, self.device, max_positions)
+
+    def _fingerprint(self) -> str:
+        """What decides this engine's answers, hashed (`engine.fingerprint`)."""
+        c = self.engine_config
+        numerics = {
+            "conveyor": engine_version(),
+            "dtype": str(self.dtype),
+            "device": self.device.type,
+            "plan": self.plan.as_dict(),
+            "batch_invariant": False,
+            "generation_config": c.generation_config,
+            "chat_template_kwargs": self.chat_template.defaults,
+        }
+        fingerprint = model_fingerprint(self.model_path, self.chat_template.text, numerics)
+        log.info("model fingerprint: %s", fingerprint)
+        return fingerprint
 
     def _plan(self, net: DecoderForCausalLM, backend: AttentionBackend) -> DevicePlan:
         """How each piece of the model runs on this device, logged once."""

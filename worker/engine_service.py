@@ -101,6 +101,7 @@ class EngineService(threading.Thread):
         data["co_scheduled"] = [[a, b, n] for (a, b), n in self.co_scheduled.most_common(50)]
         # what a request that leaves a sampling field out gets (generation_config.json)
         data["default_sampling"] = dict(getattr(self.engine, "default_sampling", {}))
+        data["fingerprint"] = getattr(self.engine, "fingerprint", None)  # engine.fingerprint
         if self.engine.plan is not None:  # how each piece runs
             data["plan"] = self.engine.plan.as_dict()
         return data

@@ -10,7 +10,7 @@ from sqlalchemy import text
 from conveyor.api import schemas
 from conveyor.api.deps import SessionDep, StateDep, get_project
 from conveyor.api.guard import KeyedRoute
-from conveyor.api.workers_view import default_sampling
+from conveyor.api.workers_view import default_sampling, fingerprint
 from conveyor.dispatch.broker import ping
 from conveyor.ledger.serving import unserved_models
 from conveyor.ledger.workers import live_worker_rows
@@ -70,4 +70,7 @@ def list_models(state: StateDep, session: SessionDep) -> schemas.ModelList:
                     workers=1,
                     default_sampling=default_sampling(worker.stats),
                 )
+            found = fingerprint(worker.stats)
+            if found is not None and found not in models[name].fingerprints:
+                models[name].fingerprints = sorted([*models[name].fingerprints, found])
     return schemas.ModelList(data=list(models.values()))

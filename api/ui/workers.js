@@ -14,6 +14,11 @@ function workerRow(worker) {
     { "data-worker-id": worker.id },
     el("td", { class: "mono", text: worker.id }),
     el("td", { class: "model", text: worker.models.join(", ") }),
+    el("td", {
+      class: "mono fingerprint",
+      title: worker.fingerprint ?? "",
+      text: worker.fingerprint ? worker.fingerprint.slice(0, 15) : fmt.DASH,
+    }),
     el("td", { class: "device", text: worker.device ?? fmt.DASH }),
     el("td", { class: "num", text: fmt.count(worker.running_requests) }),
     el("td", { class: "num", text: fmt.count(worker.waiting_requests) }),

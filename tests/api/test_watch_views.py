@@ -211,3 +211,24 @@ def test_models_list_the_default_sampling_their_workers_run(ledger: Ledger):
     with ledger.reads() as session:
         workers = {w.id: w for w in worker_list(session, 60.0).data}
     assert workers["w1"].default_sampling == defaults and workers["w3"].default_sampling == {}
+
+
+def test_models_and_workers_show_the_fingerprints_of_what_runs(ledger: Ledger):
+    """Two workers of one name on other weights show two fingerprints; one of another version
+    that wrote none shows none."""
+    from types import SimpleNamespace
+
+    from conveyor.api.routes.system import list_models
+
+    with ledger.session() as session:
+        add_worker(session, "w1", "llama", 1.0, stats={"fingerprint": "fp-b"})
+        add_worker(session, "w2", "llama", 1.0, stats={"fingerprint": "fp-a"})
+        add_worker(session, "w3", "llama", 1.0, stats={"fingerprint": "fp-a"})
+        add_worker(session, "w4", "old", 1.0, stats={"fingerprint": 7})
+    state = SimpleNamespace(settings=SimpleNamespace(heartbeat_timeout=60.0))
+    with ledger.reads() as session:
+        models = {m.id: m for m in list_models(state, session).data}
+        workers = {w.id: w for w in worker_list(session, 60.0).data}
+    assert models["llama"].fingerprints == ["fp-a", "fp-b"] and models["llama"].workers == 3
+    assert models["old"].fingerprints == []
+    assert workers["w1"].fingerprint == "fp-b" and workers["w4"].fingerprint is None

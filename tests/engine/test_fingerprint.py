@@ -1,0 +1,69 @@
+"""The model fingerprint: equal for the same checkpoint and numerics, different when anything
+that decides the answers differs (weights under the same name, the template, the dtype), and
+each weight file read once across restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conveyor.demo_model import write_tiny_model
+from conveyor.engine import LLM
+from conveyor.engine import fingerprint as fp
+
+
+@pytest.fixture
+def model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+    return write_tiny_model(tmp_path / "model", "llama")
+
+
+def fingerprint_of(path: Path, **options) -> str:
+    return LLM(str(path), **{"device": "cpu", "dtype": "float32", **options}).fingerprint
+
+
+def test_the_same_checkpoint_gives_the_same_fingerprint_and_a_copy_too(model, tmp_path):
+    first = fingerprint_of(model)
+    assert first.startswith(fp.PREFIX) and first == fingerprint_of(model)
+    copy = shutil.copytree(model, tmp_path / "elsewhere")
+    assert fingerprint_of(copy) == first  # contents, not paths
+
+
+def test_what_decides_the_answers_changes_it(model, tmp_path):
+    first = fingerprint_of(model)
+    assert fingerprint_of(model, dtype="bfloat16") != first
+    assert fingerprint_of(model, chat_template="{{ messages[0]['content'] }}") != first
+    other = write_tiny_model(tmp_path / "other", "llama", seed=1)  # other weights, same config
+    assert fingerprint_of(other) != first
+    config = json.loads((model / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-3
+    (model / "config.json").write_text(json.dumps(config))
+    assert fingerprint_of(model) != first
+
+
+def test_weight_files_are_read_once_until_they_change(model, monkeypatch):
+    reads: list[str] = []
+    digest = fp.DigestCache.digest
+
+    def counting(self, file):
+        key = f"{file.resolve()}|{file.stat().st_size}|{file.stat().st_mtime_ns}"
+        if key not in self.entries:
+            reads.append(file.name)
+        return digest(self, file)
+
+    monkeypatch.setattr(fp.DigestCache, "digest", counting)
+    first = fingerprint_of(model)
+    assert any(name.endswith(".safetensors") for name in reads)
+    reads.clear()
+    assert fingerprint_of(model) == first and reads == []  # a restart reads nothing again
+    weights = next(model.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # the weights rewritten in place
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(0, weights.stat().st_mtime_ns + 1))
+    assert fingerprint_of(model) != first
+    assert reads == [weights.name]  # only the file that changed
