@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from conveyor.api.params import IdText
 from conveyor.ledger.states import BatchStatus
@@ -43,6 +43,10 @@ class FileDeleted(BaseModel):
 
 
 class BatchCreate(BaseModel):
+    # a field it does not know is refused, never dropped (OpenAI's `output_expires_after` too:
+    # results are kept until their batch or file is deleted)
+    model_config = ConfigDict(extra="forbid")
+
     input_file_id: Annotated[IdText, Field(min_length=1)]
     endpoint: Literal["/v1/chat/completions", "/v1/completions"]
     completion_window: str = Field(default="24h", max_length=16)

@@ -494,6 +494,16 @@ def test_lone_surrogates_in_a_create_request(api: str):
     assert no_5xx(httpx.get(f"{api}/v1/batches", params={"limit": 100})).status_code == 200
 
 
+def test_a_field_batch_creation_does_not_know_is_refused_by_name(api: str):
+    """As the online endpoints refuse unknown fields: `extra_body={"reuse": "bogus"}` must not
+    be dropped in silence."""
+    file_id = upload(api, [chat("a")])
+    for field in ("reuse", "output_expires_after", "endpiont"):
+        r = create_batch(api, file_id, **{field: "bogus"})
+        error = assert_error(r, 400, "invalid_request")
+        assert error["param"] == field and "not permitted" in error["message"], error
+
+
 def test_completion_window_too_long_for_the_ledger(api: str):
     r = create_batch(api, upload(api, [chat("a")]), completion_window="1" + "0" * 20 + "h")
     assert assert_error(r, 400, "invalid_request")["param"] == "completion_window"
