@@ -9,7 +9,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from conveyor.engine.detokenizer import TextDecoding
 from conveyor.engine.errors import RequestFailure
+from conveyor.engine.output_text import OutputText
 from conveyor.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from conveyor.engine.prompt_logprobs import PromptLogprobs
 from conveyor.engine.sequence import Request, Sequence
@@ -18,6 +20,7 @@ from conveyor.engine.sequence import Request, Sequence
 class OutputProcessor:
     def __init__(self, tokenizer: Any, eos_token_ids: Iterable[int], max_model_len: int) -> None:
         self.tokenizer = tokenizer
+        self.decoding = None if tokenizer is None else TextDecoding(tokenizer)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
 
@@ -37,55 +40,63 @@ class OutputProcessor:
                 )
             if seq.matcher.is_stopped():
                 seq.finish_reason = "stop"
-                return
         elif seq.deferred_matcher is not None:
             after = seq.request.constraint_after or ()
             output = seq.num_output_tokens
             if output >= len(after) and tuple(seq.token_ids[-len(after) :]) == after:  # it starts
                 seq.matcher, seq.deferred_matcher = seq.deferred_matcher, None
-        self._check_stop(seq, token)
+        if seq.finish_reason is None:
+            self._check_stop_token(seq, token)
+        if seq.finish_reason is None or not self._ends_by(seq, token):
+            self.read_text(seq, token)
+        if seq.finish_reason is None:
+            self._check_length(seq)
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
+    def _check_stop_token(self, seq: Sequence, token: int) -> None:
         params = seq.request.params
-        num_out = seq.num_output_tokens
-        if num_out >= params.min_tokens:
+        if seq.num_output_tokens >= params.min_tokens:
             if token in params.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", token
-                return
-            if not params.ignore_eos and token in self.eos_token_ids:
+            elif not params.ignore_eos and token in self.eos_token_ids:
                 seq.finish_reason = "stop"
+
+    def read_text(self, seq: Sequence, token: int) -> None:
+        """Detokenize `token` where its sequence's text is needed as it comes (stop strings, a
+        stream), and end the sequence on the stop string that it completes."""
+        if seq.text is None:
+            params = seq.request.params
+            if self.decoding is None or not (params.stop or seq.request.stream):
                 return
-            if params.stop and self._check_stop_strings(seq):
-                return
-        if (params.max_tokens is not None and num_out >= params.max_tokens) or (
+            detokenizer = self.decoding.detokenizer(params.skip_special_tokens)
+            seq.text = OutputText(detokenizer, params)
+        stop = seq.text.append(token, seq.num_output_tokens, ended=seq.finish_reason is not None)
+        if stop is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop
+
+    def _check_length(self, seq: Sequence) -> None:
+        max_tokens = seq.request.params.max_tokens
+        if (max_tokens is not None and seq.num_output_tokens >= max_tokens) or (
             seq.num_tokens >= self.max_model_len
         ):
             seq.finish_reason = "length"
 
-    def _check_stop_strings(self, seq: Sequence) -> bool:
-        text = self.decode(seq)
-        hits = [(text.find(s), s) for s in seq.request.params.stop]
-        hits = [(pos, s) for pos, s in hits if pos >= 0]
-        if not hits:
-            return False
-        pos, stop = min(hits)
-        seq.text = text[:pos]
-        seq.finish_reason, seq.stop_reason = "stop", stop
-        return True
-
-    def decode(self, seq: Sequence) -> str:
-        """The output's text. The EOS or stop token id that ended it is not part of it (as in
-        vLLM), which shows where special tokens are kept (`skip_special_tokens` false)."""
-        if self.tokenizer is None:
+    def text(self, seq: Sequence) -> str:
+        """The output's text so far, or all of it once `seq` has ended. The EOS or stop token
+        id that ended it is not part of it (as in vLLM), which shows where special tokens are
+        kept (`skip_special_tokens` false)."""
+        if seq.text is not None:
+            return seq.text.text if seq.finish_reason is None else seq.text.final()
+        if self.decoding is None:
             return ""
         ids = seq.output_token_ids
         if seq.finish_reason == "stop" and ids and self._ends_by(seq, ids[-1]):
             ids = ids[:-1]
-        return self.tokenizer.decode(
-            ids, skip_special_tokens=seq.request.params.skip_special_tokens
-        )
+        return self.decoding.decode(ids, seq.request.params.skip_special_tokens)
 
     def _ends_by(self, seq: Sequence, token: int) -> bool:
+        """Whether `token` is the EOS or stop token id that ended `seq`."""
+        if seq.finish_reason != "stop" or isinstance(seq.stop_reason, str):
+            return False
         if seq.stop_reason is None:
             return token in self.eos_token_ids and not seq.request.params.ignore_eos
         return seq.stop_reason == token
@@ -97,7 +108,7 @@ class OutputProcessor:
         outputs = [
             CompletionOutput(
                 index=seq.index,
-                text=seq.text if isinstance(seq.stop_reason, str) else self.decode(seq),
+                text=self.text(seq),
                 token_ids=seq.output_token_ids,
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
                 logprobs=seq.logprobs,

@@ -87,6 +87,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # the text ends with the stop string that ended it
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token (plus the sampled one)
     prompt_logprobs: int | None = None  # top-k logprobs per prompt token (plus the actual one)

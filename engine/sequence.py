@@ -45,7 +45,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    text: str = ""  # detokenized output, kept only when stop strings must be checked
+    text: Any = None  # its `OutputText`, where stop strings or a stream need the text as it comes
     arrival_time: float = 0.0  # when it (last) joined the waiting queue, scheduler clock
     matcher: Any = None  # its structured output's grammar state, if the request has one
     # the grammar state kept aside while the output is free: before the text the constraint

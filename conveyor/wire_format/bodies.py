@@ -90,6 +90,7 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: Any = None
     skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
     # logits: OpenAI's penalties and bias, vLLM's repetition penalty and allowed ids
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -174,6 +175,7 @@ class _SamplingFields(BaseModel):
             "ignore_eos": self.ignore_eos,
             "stop_token_ids": None if self.stop_token_ids is None else list(self.stop_token_ids),
             "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,

@@ -179,8 +179,11 @@ def _tool_part(
 
 
 def _final_part(text: str, request: ParsedRequest) -> str:
-    """The part of a growing text that no later step can change."""
+    """The part of a growing text that no later step can change: a stop string that a later
+    step completes takes back its start, unless the text keeps stop strings."""
     stops = request.sampling.get("stop") or []
+    if request.sampling.get("include_stop_str_in_output"):
+        stops = []
     hold = max((len(s) for s in stops), default=1) - 1
     if hold > 0:
         text = text[:-hold] if len(text) > hold else ""

@@ -98,6 +98,10 @@ HONOURED: dict[Any, tuple[dict[str, Any], Callable[[ParsedRequest], bool]]] = {
     "ignore_eos": ({"ignore_eos": True}, sampling(ignore_eos=True)),
     "stop_token_ids": ({"stop_token_ids": [4]}, sampling(stop_token_ids=[4])),
     "skip_special_tokens": ({"skip_special_tokens": False}, sampling(skip_special_tokens=False)),
+    "include_stop_str_in_output": (
+        {"include_stop_str_in_output": True},
+        sampling(include_stop_str_in_output=True),
+    ),
     "repetition_penalty": ({"repetition_penalty": 1.3}, sampling(repetition_penalty=1.3)),
     "allowed_token_ids": ({"allowed_token_ids": [3, 4]}, sampling(allowed_token_ids=[3, 4])),
     "tools": ({"tools": TOOLS}, lambda r: r.tools == TOOLS and r.tool_use.choice == "auto"),

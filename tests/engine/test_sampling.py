@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -238,3 +240,36 @@ def test_only_the_sampled_rows_of_a_mixed_step_are_sampled():
         want = logits.argmax(dim=-1).tolist()
         assert result.token_ids[:40] + result.token_ids[41:] == want[:40] + want[41:]
         assert (result.logprobs[0] is not None) == bool(extra)
+
+
+def test_stop_strings_give_the_text_of_the_whole_decode(llm):
+    """Stop strings found in the text as it comes: where the whole output's decode has them,
+    spanning tokens or not, kept with include_stop_str_in_output; a stream's texts grow to it."""
+    prompts = PROMPTS[6:10]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    fulls = [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    tok = llm.tokenizer
+    for prompt, full in zip(prompts, fulls, strict=True):
+        assert full.text == tok.decode(full.token_ids, skip_special_tokens=True)
+        for start, size in ((0, 1), (len(full.text) // 3, 3), (len(full.text) - 2, 2)):
+            stop = full.text[start : start + size]
+            if "\ufffd" in stop:  # an unfinished character's, in the decode of a prefix
+                continue
+            for include in (False, True):
+                params = SamplingParams(
+                    temperature=0, max_tokens=40, ignore_eos=True, stop=[stop, "never"],
+                    include_stop_str_in_output=include,
+                )  # fmt: skip
+                out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+                end = full.text.index(stop) + (len(stop) if include else 0)
+                assert (out.text, out.stop_reason) == (full.text[:end], stop)
+                ids = out.token_ids
+                assert ids == full.token_ids[: len(ids)]
+                assert stop in tok.decode(ids) and stop not in tok.decode(ids[:-1])
+
+    llm.add_request("s", PROMPTS[6], greedy, stream=True)
+    texts = []
+    while llm.has_unfinished():
+        texts += [o.outputs[0].text for o in llm.step() if o.request_id == "s"]
+    assert texts[-1] == fulls[0].text
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))

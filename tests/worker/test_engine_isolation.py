@@ -37,14 +37,14 @@ def break_request(llm: LLM, monkeypatch: pytest.MonkeyPatch, where: str, victim:
 
         monkeypatch.setattr(llm.output_processor, "append_token", append)
     elif where == "stop_string":  # detokenizing for its stop-string check
-        real_decode = llm.output_processor.decode
+        real_read_text = llm.output_processor.read_text
 
-        def decode(seq):
+        def read_text(seq, token):
             if bad(seq.request.request_id) and seq.finish_reason is None:
                 raise TypeError("the tokenizer cannot decode this")
-            return real_decode(seq)
+            return real_read_text(seq, token)
 
-        monkeypatch.setattr(llm.output_processor, "decode", decode)
+        monkeypatch.setattr(llm.output_processor, "read_text", read_text)
     elif where == "sampling":  # building its row of the batch's sampling, on its third token
         real_sample_request = llm._sample_request
 
