@@ -48,7 +48,7 @@ class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input_file_id: Annotated[IdText, Field(min_length=1)]
-    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
     completion_window: str = Field(default="24h", max_length=16)
     metadata: dict[str, str] | None = None
 

@@ -97,7 +97,7 @@ def engine_error(
     else:
         field = failure.field
         param = None if field is None else f"body.{_BODY_FIELD.get(field, field)}"
-    return RequestError(failure.message, code=code, param=param, **where)
+    return RequestError(failure.message, code=code, param=request.client_param(param), **where)
 
 
 def prepare_request(llm: Engine, request: ParsedRequest) -> tuple[str | list[int], SamplingParams]:
@@ -133,7 +133,7 @@ def prepare_request(llm: Engine, request: ParsedRequest) -> tuple[str | list[int
             code=CHAT_TEMPLATE_ERROR,
             line=request.line,
             custom_id=request.custom_id,
-            param="body.chat_template_kwargs" if kwargs else "body.messages",
+            param=request.client_param("body.chat_template_kwargs" if kwargs else "body.messages"),
         ) from None
     return prompt, params
 

@@ -31,6 +31,7 @@ from conveyor.wire_format.bodies import (
     CHAT_URL,
     COMPLETIONS_URL,
     MAX_INT,
+    RESPONSES_URL,
     DetokenizeBody,
     TokenizeBody,
 )
@@ -46,6 +47,8 @@ from conveyor.wire_format.request_line import (
     parse_online_body,
     validation_message,
 )
+from conveyor.wire_format.response_events import ResponseEvents
+from conveyor.wire_format.response_object import response_from_chat
 from conveyor.wire_format.responses import (
     chat_completion_body,
     merged_body,
@@ -61,7 +64,7 @@ log = logging.getLogger(__name__)
 ONLINE_PRIORITY = 0  # ahead of batch work
 ANSWERS_PER_SEND = 256  # answers pushed to the bus in one round trip at most
 ENGINE_FAILED = "the engine failed while running this request; retry it"
-URLS = {"completion": COMPLETIONS_URL, "chat": CHAT_URL}
+URLS = {"completion": COMPLETIONS_URL, "chat": CHAT_URL, "responses": RESPONSES_URL}
 # how long a cancellation of a request this worker has not seen is kept: it may have taken the
 # request a moment before, and be about to start it
 EARLY_CANCEL_SECONDS = 60.0
@@ -74,7 +77,7 @@ class _Call:
     message: OnlineMessage
     online: OnlineRequest
     model: str
-    stream: ChunkStream | None
+    stream: ChunkStream | ResponseEvents | None
     outputs: dict[int, Any] = field(default_factory=dict)
     engine_ids: list[str] = field(default_factory=list)
     over: bool = False
@@ -156,10 +159,12 @@ class OnlineServer(threading.Thread):
         online = parse_online_body(
             URLS[message.kind], message.body, max_tokens_cap=self.max_tokens_cap or None
         )
-        chat = message.kind == "chat"
-        stream = None
+        chat = message.kind != "completion"
+        stream: ChunkStream | ResponseEvents | None = None
         if online.stream:
             stream = ChunkStream(online.requests, online.n, online.model, self.decoder, chat)
+            if message.kind == "responses":  # its events are made from the chat chunks
+                stream = ResponseEvents(stream, online.requests[0])
         call = _Call(message, online, online.model, stream)
         jobs = []
         for i, request in enumerate(online.requests):
@@ -232,10 +237,14 @@ class OnlineServer(threading.Thread):
                 chunks.append(call.stream.usage_chunk(self._body(call)["usage"]))
             self._finish(call, {"status": 200, "chunks": chunks})
         elif len(call.outputs) == len(call.online.requests):
-            self._finish(call, {"status": 200, "body": self._body(call)})
+            body = self._body(call)
+            if call.message.kind == "responses":
+                body = response_from_chat(call.online.requests[0], body)
+            self._finish(call, {"status": 200, "body": body})
 
     def _body(self, call: _Call) -> dict[str, Any]:
-        build = chat_completion_body if call.message.kind == "chat" else text_completion_body
+        """The chat completion or completion object of a finished call."""
+        build = text_completion_body if call.message.kind == "completion" else chat_completion_body
         bodies = [
             build(request, call.outputs[i], call.model, self.decoder)
             for i, request in enumerate(call.online.requests)

@@ -1,6 +1,7 @@
-"""OpenAI's online endpoints, `POST /v1/completions` and `POST /v1/chat/completions` (and
-streamed, `stream: true`), and vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`: answered
-by the workers that run batches, in the same continuous batches and ahead of them.
+"""OpenAI's online endpoints, `POST /v1/completions`, `POST /v1/chat/completions` and `POST
+/v1/responses` (and streamed, `stream: true`), and vLLM's `/tokenize`, `/detokenize` and
+`/tokenizer_info`: answered by the workers that run batches, in the same continuous batches and
+ahead of them.
 
 Bodies are checked as batch lines' bodies are (`conveyor.wire_format`), and answered with the
 same response objects. An unknown model is a 404 `model_not_found` at once, a model no live
@@ -33,7 +34,13 @@ from conveyor.dispatch.online import AnswerTimeout, OnlineMessage, online_queue
 from conveyor.dispatch.queues import queue_for
 from conveyor.ledger.workers import served_models
 from conveyor.served_names import listed_names
-from conveyor.wire_format.bodies import CHAT_URL, COMPLETIONS_URL, DetokenizeBody, TokenizeBody
+from conveyor.wire_format.bodies import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    RESPONSES_URL,
+    DetokenizeBody,
+    TokenizeBody,
+)
 from conveyor.wire_format.errors import (
     INVALID_REQUEST,
     MODEL_NOT_FOUND,
@@ -44,6 +51,7 @@ from conveyor.wire_format.errors import (
 from conveyor.wire_format.request_line import parse_online_body, validation_message
 
 ONLINE_ERRORS = schemas.error_responses(404, 413, 422, 503, 504)
+URLS = {"completion": COMPLETIONS_URL, "chat": CHAT_URL, "responses": RESPONSES_URL}
 ANSWERS = {
     200: {
         "description": "the completion object, or with `stream: true` its chunks as server-sent "
@@ -76,6 +84,13 @@ async def chat_completions(
     return await _complete(state, project, "chat", body, request)
 
 
+@router.post("/responses", response_model=None, responses=ANSWERS)
+async def responses(body: Json, state: StateDep, project: ProjectDep, request: Request) -> Response:
+    """OpenAI's Responses API, answered as the chat completion it translates to; with `stream:
+    true`, its typed events."""
+    return await _complete(state, project, "responses", body, request)
+
+
 @tokenizer.post("/tokenize", response_model=None, responses=ONLINE_ERRORS)
 async def tokenize(body: Json, state: StateDep, project: ProjectDep) -> Response:
     """vLLM's: `{prompt}` or `{messages}` (and `model` when several are served) to
@@ -101,10 +116,9 @@ async def _complete(
     state: AppState, project: str, kind: str, body: dict[str, Any], request: Request
 ) -> Response:
     settings = state.settings
-    url = CHAT_URL if kind == "chat" else COMPLETIONS_URL
     check_prompt_count(body, settings)
     try:
-        online = parse_online_body(url, body, max_tokens_cap=settings.max_tokens_cap or None)
+        online = parse_online_body(URLS[kind], body, max_tokens_cap=settings.max_tokens_cap or None)
     except RequestError as err:
         raise _online_error(err) from None
     check_sequences(online, settings)
@@ -118,7 +132,8 @@ async def _complete(
         raise
     lease.sent(queue, message)
     if online.stream:
-        return LeasedStream(_events(state, message, lease), lease)
+        events = _typed_events if kind == "responses" else _events
+        return LeasedStream(events(state, message, lease), lease)
     try:
         return await unless_gone(request, _one_answer(state, message, lease))
     finally:
@@ -174,6 +189,34 @@ async def _events(
 
 def _event(data: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(data)}\n\n".encode()
+
+
+async def _typed_events(
+    state: AppState, message: OnlineMessage, lease: OnlineLease
+) -> AsyncIterator[bytes]:
+    """A Responses stream: each event named in its `event:` line, an error after the stream
+    began an `error` event, and no `[DONE]` at the end (as OpenAI sends it)."""
+    sent = 0
+    try:
+        async for answer in state.online.answers(message):
+            lease.answered = bool(answer.get("last"))
+            for event in answer.get("chunks", ()):
+                sent += 1
+                yield _typed_event(event)
+            if answer.get("status", 200) >= 400:
+                yield _typed_event(_error_event(answer["body"], sent))
+    except AnswerTimeout:
+        yield _typed_event(_error_event(_timeout(state).body, sent))
+
+
+def _error_event(body: dict[str, Any], sequence_number: int) -> dict[str, Any]:
+    error = body["error"]
+    return {"type": "error", "sequence_number": sequence_number, "code": error.get("code"),
+            "message": error["message"], "param": error.get("param")}  # fmt: skip
+
+
+def _typed_event(data: dict[str, Any]) -> bytes:
+    return f"event: {data['type']}\ndata: {json.dumps(data)}\n\n".encode()
 
 
 async def _queue_of(state: AppState, model: str | None) -> str:

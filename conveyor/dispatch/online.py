@@ -46,9 +46,9 @@ def online_queue(model_queue: str) -> str:
 
 @dataclass
 class OnlineMessage:
-    """An online request as it travels: `kind` is completion, chat, tokenize, detokenize or
-    tokenizer_info; `body` the client's JSON body; `deadline` the time past which nobody waits
-    for the answer any more."""
+    """An online request as it travels: `kind` is completion, chat, responses, tokenize,
+    detokenize or tokenizer_info; `body` the client's JSON body; `deadline` the time past which
+    nobody waits for the answer any more."""
 
     kind: str
     body: dict[str, Any]

@@ -7,7 +7,7 @@ One batch input line is a JSON object::
     {"custom_id": "req-1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
 
 - `errors`: every error code a client can see, and `RequestError`;
-- `bodies`: the request bodies of the two endpoints, type- and range-checked;
+- `bodies`: the request bodies of the endpoints, type- and range-checked;
 - `fields`: every body field a client may send, and what Conveyor does with it;
 - `text`: what no body may hold (lone surrogates, NUL where text is stored, nesting too deep);
 - `request_line`: one line checked into a `ParsedRequest`, and a file's lines in order;
@@ -20,5 +20,8 @@ One batch input line is a JSON object::
   models write, and how an answer is read for calls;
 - `responses`: the completion objects built from the engine's outputs;
 - `streaming`: the chunks of a streamed online answer;
+- `responses_body`, `response_object`, `response_events`: OpenAI's Responses API, its body
+  translated into a chat completion's, and the chat answer (and its chunks) back into the
+  Response object (and its typed stream events);
 - `result_lines`: output and error lines, and their JSON text.
 """

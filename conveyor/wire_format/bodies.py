@@ -34,7 +34,11 @@ CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 
 
-SUPPORTED_URLS = (CHAT_URL, COMPLETIONS_URL)
+# OpenAI's Responses API: its body is translated into a chat completion's (`responses_body.py`)
+RESPONSES_URL = "/v1/responses"
+
+
+SUPPORTED_URLS = (CHAT_URL, COMPLETIONS_URL, RESPONSES_URL)
 
 
 # OpenAI accepts this many top alternatives per token.

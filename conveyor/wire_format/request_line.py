@@ -13,6 +13,8 @@ from pydantic import BaseModel, ValidationError
 
 from conveyor.wire_format.bodies import (
     CHAT_URL,
+    COMPLETIONS_URL,
+    RESPONSES_URL,
     SUPPORTED_URLS,
     ChatCompletionBody,
     CompletionBody,
@@ -38,6 +40,14 @@ from conveyor.wire_format.fields import (
     without_empty_unsupported,
 )
 from conveyor.wire_format.reasoning import ReasoningParser
+from conveyor.wire_format.responses_body import (
+    ItemError,
+    ResponsesBody,
+    ResponsesFieldError,
+    responses_message,
+    responses_param,
+    translate,
+)
 from conveyor.wire_format.text import MAX_JSON_DEPTH, check_body_text, path_text
 from conveyor.wire_format.tool_use import ToolUse
 from conveyor.wire_format.tools import forced_tools, grammar_error
@@ -64,15 +74,23 @@ class ParsedRequest:
     # chat: how its answer is read for tool calls (the worker gives "auto" its parser), None:
     # it offers no tools
     tool_use: ToolUse | None = None
+    # a Responses API request: its body, which its Response object echoes (it runs as the chat
+    # completion it was translated into)
+    responses: ResponsesBody | None = None
     line: int | None = None
 
     @property
     def is_chat(self) -> bool:
-        return self.url == CHAT_URL
+        return self.url in (CHAT_URL, RESPONSES_URL)
+
+    def client_param(self, param: str | None) -> str | None:
+        """The field of the body the client sent that `param`, a chat body's, came from."""
+        return responses_param(param) if self.url == RESPONSES_URL else param
 
 
 def _loc_path(prefix: str, loc: Sequence[Any]) -> str:
-    return path_text((prefix, *loc)) if prefix else path_text(tuple(loc))
+    """`loc` written under `prefix`, a path already written (`body`, `body.input[2]`)."""
+    return prefix + path_text(("_", *loc))[1:] if prefix else path_text(tuple(loc))
 
 
 def validation_message(err: ValidationError, prefix: str = "body") -> tuple[str, str, str]:
@@ -112,8 +130,11 @@ class _Line:
 
     number: int | None
     custom_id: str | None = None
+    responses: bool = False  # the body is a Responses body's translation: name its fields
 
     def fail(self, message: str, code: str = INVALID_REQUEST, param: str | None = None) -> NoReturn:
+        if self.responses:
+            message, param = responses_message(message), responses_param(param)
         raise RequestError(
             message, code=code, line=self.number, custom_id=self.custom_id, param=param
         )
@@ -133,7 +154,7 @@ def parse_request_object(
     """
     where = _Line(line)
     url, body = _envelope(obj, where)
-    parsed = _body(body, url, where, source_text)
+    parsed, responses = _body(body, url, where, source_text)
     if served_model_names is not None:
         names = list(served_model_names)
         if parsed.model not in names:
@@ -151,7 +172,7 @@ def parse_request_object(
             param="body.stream",
         )
     if isinstance(parsed, ChatCompletionBody):
-        return _chat_request(parsed, url, where.custom_id, where)
+        return _chat_request(parsed, url, where.custom_id, where, responses)
     if len(parsed.prompts) > 1:
         kind = "token-id prompts" if isinstance(parsed.prompts[0], list) else "prompts"
         where.fail(
@@ -186,11 +207,11 @@ def parse_online_body(
     where = _Line(None)
     if not isinstance(body, dict):
         where.fail(f"the request body must be a JSON object, got {describe(body)}")
-    parsed = _body(body, url, where, None)
+    parsed, responses = _body(body, url, where, None)
     if served_model_names is not None and parsed.model not in list(served_model_names):
         where.fail(f"the model {parsed.model!r} does not exist", MODEL_NOT_FOUND, "model")
     if isinstance(parsed, ChatCompletionBody):
-        requests = [_chat_request(parsed, url, "0", where)]
+        requests = [_chat_request(parsed, url, "0", where, responses)]
     else:
         requests = [
             _completion_request(parsed, prompt, url, str(i), where)
@@ -248,15 +269,21 @@ def _envelope(obj: Any, where: _Line) -> tuple[str, dict[str, Any]]:
 
 def _body(
     body: dict[str, Any], url: str, where: _Line, source_text: str | None
-) -> ChatCompletionBody | CompletionBody:
-    """The body checked against its endpoint's model, and for what no body may hold."""
+) -> tuple[ChatCompletionBody | CompletionBody, ResponsesBody | None]:
+    """The body checked against its endpoint's model, and for what no body may hold (a
+    Responses body as the chat body it becomes, and itself)."""
     text = check_body_text(body, source_text)
     if text.too_deep is not None:
         path = text.too_deep
         where.fail(f'"{path}" is nested deeper than {MAX_JSON_DEPTH} levels', param=path)
-    model_cls = ChatCompletionBody if url == CHAT_URL else CompletionBody
+    model_cls = CompletionBody if url == COMPLETIONS_URL else ChatCompletionBody
     if text.surrogate is not None and "field name" in text.surrogate[1]:
         _fail_surrogate(text.surrogate, where)  # a name that cannot even be quoted back
+    responses = None
+    if url == RESPONSES_URL:
+        if text.surrogate is not None:
+            _fail_surrogate(text.surrogate, where)  # its paths are the Responses body's
+        responses, body = _translated(body, where)
     body = without_empty_unsupported(body)
     _refuse_fields(body, model_cls, where)
     try:
@@ -266,7 +293,27 @@ def _body(
         where.fail(message, code, param)
     if text.surrogate is not None:
         _fail_surrogate(text.surrogate, where)
-    return parsed
+    return parsed, responses
+
+
+def _translated(body: dict[str, Any], where: _Line) -> tuple[ResponsesBody, dict[str, Any]]:
+    """A Responses body checked, and the chat body it becomes; from here on `where` names the
+    Responses body's fields in errors."""
+    try:
+        responses, chat = translate(body)
+    except ResponsesFieldError as err:
+        code = UNSUPPORTED_PARAMETER if err.unsupported else INVALID_REQUEST
+        if str(err).startswith("Unrecognized"):
+            code = UNKNOWN_PARAMETER
+        where.fail(str(err), code, f"body.{err.param}")
+    except ItemError as err:
+        message, param, code = validation_message(err.error, prefix=err.path)
+        where.fail(message, code, param)
+    except ValidationError as err:
+        message, param, code = validation_message(err)
+        where.fail(message, code, param)
+    where.responses = True
+    return responses, chat
 
 
 def _fail_surrogate(surrogate: tuple[str, str], where: _Line) -> NoReturn:
@@ -301,7 +348,11 @@ def _refuse_fields(body: dict[str, Any], model_cls: type[BaseModel], where: _Lin
 
 
 def _chat_request(
-    parsed: ChatCompletionBody, url: str, custom_id: str, where: _Line
+    parsed: ChatCompletionBody,
+    url: str,
+    custom_id: str,
+    where: _Line,
+    responses: ResponsesBody | None = None,
 ) -> ParsedRequest:
     if parsed.top_logprobs is not None and not parsed.logprobs:
         where.fail('"body.top_logprobs" needs "body.logprobs": true', param="body.top_logprobs")
@@ -316,6 +367,7 @@ def _chat_request(
         chat_template_kwargs=parsed.chat_template_kwargs,
         tools=parsed.tool_dicts(),
         tool_use=parsed.tool_use(),
+        responses=responses,
         line=where.number,
     )
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from conveyor.wire_format.errors import RequestError, error_body
 from conveyor.wire_format.request_line import ParsedRequest
+from conveyor.wire_format.response_object import response_from_chat
 from conveyor.wire_format.responses import chat_completion_body, new_id, text_completion_body
 from conveyor.wire_format.token_text import TokenDecoder
 
@@ -18,15 +19,22 @@ def build_output_line(
     decoder: TokenDecoder,
     created: int | None = None,
 ) -> dict[str, Any]:
-    """The result line for a finished request (`output` is the engine's `RequestOutput`)."""
-    build = chat_completion_body if request.is_chat else text_completion_body
+    """The result line for a finished request (`output` is the engine's `RequestOutput`): a
+    completion, a chat completion, or the Response of a Responses API request (made from the
+    chat completion that answered it)."""
+    if not request.is_chat:
+        body = text_completion_body(request, output, model, decoder, created)
+    else:
+        body = chat_completion_body(request, output, model, decoder, created)
+        if request.responses is not None:
+            body = response_from_chat(request, body)
     return {
         "id": f"batch_req_{new_id()}",
         "custom_id": request.custom_id,
         "response": {
             "status_code": 200,
             "request_id": new_id(),
-            "body": build(request, output, model, decoder, created),
+            "body": body,
         },
         "error": None,
     }

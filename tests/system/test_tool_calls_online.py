@@ -5,7 +5,9 @@ field, and a batch of the same bodies answering the same calls."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
@@ -60,11 +62,18 @@ def streamed(api: openai.OpenAI, fields: dict) -> tuple[str, list[tuple[str, str
     return content, [(c["name"], c["arguments"]) for c in calls.values()], finish
 
 
-def test_tool_calls_online_streamed_fed_back_and_in_a_batch(chat_model: Path, tmp_path: Path):
+@contextlib.contextmanager
+def tools_serve(tmp_path: Path, chat_model: Path) -> Iterator[str]:
+    """The service with a template that renders tools, and the hermes tool-call parser."""
     template = tmp_path / "tools.jinja"
     template.write_text(TOOLS_TEMPLATE)
     extra = ("--dtype", "float32", "--chat-template", str(template), "--tool-call-parser", "hermes")
     with embedded_serve(tmp_path, chat_model, *extra) as url:
+        yield url
+
+
+def test_tool_calls_online_streamed_fed_back_and_in_a_batch(chat_model: Path, tmp_path: Path):
+    with tools_serve(tmp_path, chat_model) as url:
         api = client(url)
         answers = {}
         for name, (fields, finish) in CASES.items():
