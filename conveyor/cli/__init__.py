@@ -14,7 +14,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from conveyor.cli import client_commands, offline, server
+from conveyor.cli import client_commands, offline, run_diff, server
 from conveyor.cli.common import EXIT_INTERRUPTED, PROG
 from conveyor.version import __version__
 
@@ -29,6 +29,7 @@ SUBCOMMANDS = [
     client_commands.add_results,
     client_commands.add_cancel,
     client_commands.add_eval,
+    run_diff.add_diff,
     server.add_ready,
     server.add_keys,
 ]

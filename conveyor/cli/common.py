@@ -16,6 +16,7 @@ EXIT_BATCH_FAILED = 3  # validation failed the batch
 EXIT_BATCH_EXPIRED = 4
 EXIT_BATCH_CANCELLED = 5
 EXIT_TOO_MANY_FAILED = 6  # completed, but more failed requests than --max-failed
+EXIT_RUNS_DIFFER = 7  # `conveyor diff`: the two runs answered differently
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports a command SIGINT ended
 
 

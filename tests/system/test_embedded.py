@@ -20,6 +20,7 @@ from conveyor.testing import batch_lines, free_port, stop_group, write_jsonl
 
 EXIT_BATCH_FAILED = 3
 EXIT_TOO_MANY_FAILED = 6
+EXIT_RUNS_DIFFER = 7
 
 
 @contextlib.contextmanager
@@ -80,6 +81,16 @@ def submit(url: str, env: dict[str, str], path: Path, *args: str) -> subprocess.
     )
 
 
+def diff(url: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "conveyor", "diff", *args, "--url", url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def test_embedded_serve_and_submit(embedded: tuple[str, dict[str, str]], tmp_path: Path):
     url, env = embedded
     lines = batch_lines(12, max_tokens=6)
@@ -124,6 +135,28 @@ def test_embedded_serve_and_submit(embedded: tuple[str, dict[str, str]], tmp_pat
     (worker,) = httpx.get(url + "/v1/workers").json()["data"]
     assert worker["models"] == ["demo"] and worker["device"] == "cpu"
     assert 0 <= worker["kv_cache_usage"] < 1 and worker["running_shards"] == 0
+    assert worker["fingerprint"].startswith("fp-")
+    (model,) = [m for m in httpx.get(url + "/v1/models").json()["data"] if m["id"] == "demo"]
+    assert model["fingerprints"] == [worker["fingerprint"]]
+
+    # the same lines again answer the same; an edited and an added line are what `diff` names
+    again = submit(url, env, path, *wait)
+    assert again.returncode == 0, again.stderr
+    same = diff(url, env, batch_id, again.stdout.split()[0])
+    assert same.returncode == 0 and "16 lines the same, 0 changed" in same.stdout, same.stdout
+    from_file = diff(url, env, str(out), batch_id)  # a results file of the rerun, kept locally
+    assert from_file.returncode == 0, from_file.stdout + from_file.stderr
+    edited = [*lines[:15], *batch_lines(2, prefix="edit", max_tokens=6)]
+    edited[0] = {**lines[0], "body": {**lines[0]["body"], "max_tokens": 1}}
+    for line in edited[15:]:
+        del line["body"]["model"]
+    other = submit(url, env, write_jsonl(tmp_path / "edited.jsonl", edited), *wait)
+    changed = diff(url, env, batch_id, other.stdout.split()[0], "--json")
+    assert changed.returncode == EXIT_RUNS_DIFFER, changed.stderr
+    report = json.loads(changed.stdout)
+    assert [c["custom_id"] for c in report["changed"]] == [lines[0]["custom_id"]]
+    assert report["new"] == ["edit-0", "edit-1"] and report["gone"] == [lines[15]["custom_id"]]
+    assert report["same"] == 14
 
     # a line that fails alone lands in --errors; with --max-failed 1 that is still success
     bad = [*lines[:3], {**lines[3], "body": {**lines[3]["body"], "temperature": -1}}]
