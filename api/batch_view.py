@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 from conveyor.api import schemas
 from conveyor.api.errors import not_found
 from conveyor.api.pagination import keyset_page
+from conveyor.ledger.batch_runs import runs_of
 from conveyor.ledger.models import BatchRow
 from conveyor.ledger.results import counts
 from conveyor.ledger.states import TERMINAL, BatchStatus
@@ -31,7 +32,7 @@ def read_batch(session: Session, batch_id: str, project: str) -> schemas.Batch:
     batch = session.execute(_BATCH_BY_ID, {"batch_id": batch_id}).first()
     if batch is None or batch.project != project:
         raise not_found("batch", batch_id)
-    return batch_object(batch)
+    return batch_object(batch, runs_of(session, [batch_id])[batch_id])
 
 
 def batch_list(
@@ -53,10 +54,13 @@ def batch_list(
     if model is not None:
         query = query.where(BatchRow.model == model)
     rows = keyset_page(session, query, BatchRow, project, after, limit).all()
-    return schemas.list_page(schemas.BatchList, rows, limit, batch_object)
+    runs = runs_of(session, [row.id for row in rows])
+    return schemas.list_page(
+        schemas.BatchList, rows, limit, lambda row: batch_object(row, runs[row.id])
+    )
 
 
-def batch_object(batch: BatchRow | Row[Any]) -> schemas.Batch:
+def batch_object(batch: BatchRow | Row[Any], runs: Sequence[dict[str, Any]] = ()) -> schemas.Batch:
     totals = counts(batch)
     total = batch.total
     progress = 1.0 if batch.status in TERMINAL else (totals.done / total if total else 0.0)
@@ -104,6 +108,7 @@ def batch_object(batch: BatchRow | Row[Any]) -> schemas.Batch:
         eta_seconds=eta,
         cached_tokens=totals.cached_tokens,
         status_details=_status_details(batch),
+        reproducibility=[schemas.BatchRun.model_validate(run) for run in runs],
     )
 
 

@@ -116,6 +116,19 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class BatchRun(BaseModel):
+    """What ran (part of) a batch: a worker under one model fingerprint."""
+
+    worker: str
+    fingerprint: str = Field(description="the model fingerprint (`GET /v1/workers`)")
+    first_at: float = Field(description="when it took its first shard of the batch")
+    conveyor: str | None = Field(default=None, description="Conveyor's version")
+    engine: dict[str, Any] = Field(default_factory=dict, description="the engine's settings")
+    default_sampling: dict[str, Any] = Field(
+        default_factory=dict, description="what a line got for a sampling field it left out"
+    )
+
+
 class Batch(BaseModel):
     id: str
     object: Literal["batch"] = "batch"
@@ -146,6 +159,11 @@ class Batch(BaseModel):
     )
     cached_tokens: int = Field(
         default=0, description="prompt tokens served from the prefix cache instead of computed"
+    )
+    reproducibility: list[BatchRun] = Field(
+        default_factory=list,
+        description="what ran the batch: each worker and model fingerprint that took a shard "
+        "of it, with the engine's settings and sampling defaults",
     )
     status_details: str | None = Field(
         default=None, description="why a batch in progress makes no progress, when known"

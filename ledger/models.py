@@ -177,6 +177,22 @@ class ResultRow(Base):
     created_at: Mapped[float] = mapped_column(Float)
 
 
+class BatchRunRow(Base):
+    """What ran a batch: one row per worker and model fingerprint that took a shard of it, with
+    the engine's settings and the sampling defaults in force, so that a score can be traced to
+    exactly what produced it after the worker is gone."""
+
+    __tablename__ = "batch_runs"
+
+    batch_id: Mapped[str] = mapped_column(
+        ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True
+    )
+    worker: Mapped[str] = mapped_column(String(255), primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(String(64), primary_key=True)
+    record: Mapped[dict[str, Any]] = mapped_column(JSON)
+    first_at: Mapped[float] = mapped_column(Float)
+
+
 class WorkerRow(Base):
     """A live worker announces itself here; `GET /v1/models` lists what live workers serve."""
 

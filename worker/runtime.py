@@ -7,6 +7,7 @@ feeds the one engine. `run_shard` is the task body.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import logging
 import os
@@ -27,6 +28,7 @@ from conveyor.dispatch.online import bus_for, online_queue
 from conveyor.dispatch.queues import queue_for, worker_queue
 from conveyor.dispatch.reconciler import ReconcilerLoop, reconcile
 from conveyor.engine.protocol import Engine
+from conveyor.ledger.batch_runs import record_run
 from conveyor.ledger.db import Ledger, until_reached
 from conveyor.ledger.results import result_row
 from conveyor.ledger.shard_lifecycle import (
@@ -43,6 +45,7 @@ from conveyor.ledger.workers import announce, withdraw
 from conveyor.logs import bind, log_context
 from conveyor.request_outcome import PreparedLine, output_line, prepare_line, refused_line
 from conveyor.settings import Settings
+from conveyor.version import __version__
 from conveyor.wire_format.errors import REQUEST_QUARANTINED
 from conveyor.wire_format.request_line import (
     ParsedRequest,
@@ -128,6 +131,7 @@ class WorkerRuntime:
         self.engine_ready = threading.Event()
         self.engine_ready.set()
         self.engine_restarts = 0
+        self._runs_recorded: set[tuple[str, str]] = set()  # (batch, fingerprint) in batch_runs
         self._shard_runs = 0  # shard tasks running now
         self._running_shards: set[int] = set()  # their shards
         self._shard_runs_lock = threading.Lock()
@@ -347,6 +351,8 @@ class WorkerRuntime:
             return "quarantined"
         bind(batch_id=claim.batch_id)
         log.info("shard %s: %d requests to run", shard_id, len(claim.requests))
+        if claim.requests:
+            self._record_run(claim.batch_id)
         self.shard_prefixes[claim.prefix_key] += 1
         pending = PendingResults(shard_id, claim.batch_id, len(claim.requests))
         jobs = [self._job(claim, pending, *request) for request in claim.requests]
@@ -361,6 +367,20 @@ class WorkerRuntime:
         pending.take_over()
         service.abort([job.request_id for job in jobs])
         return self._stop_early(shard_id, claim.batch_id, service)
+
+    def _record_run(self, batch_id: str) -> None:
+        """Note in the ledger, once per batch and engine, what runs the batch here: the
+        model fingerprint, the engine's settings and its sampling defaults."""
+        fingerprint = getattr(self.engine, "fingerprint", None)
+        if fingerprint is None or (batch_id, fingerprint) in self._runs_recorded:
+            return  # the echo engine has no model to fingerprint
+        try:
+            with self.ledger.session() as session:
+                record_run(session, batch_id, self.name, fingerprint, run_record(self.engine))
+        except Exception:  # the record is for people; the shard runs without it
+            log.warning("could not record what runs batch %s", batch_id, exc_info=True)
+            return
+        self._runs_recorded.add((batch_id, fingerprint))
 
     def _claim(self, shard_id: int) -> ClaimedShard | None:
         settings = self.settings
@@ -514,3 +534,29 @@ class WorkerRuntime:
     def _write(self, batch_id, request_id, line, pending, number=None, ok=False, **tokens) -> None:
         row = result_row(request_id, batch_id, line, ok=ok, worker=self.name, **tokens)
         self.writer.put(WriteItem(row, pending, line.get("custom_id"), number))
+
+
+def run_record(engine: Any) -> dict[str, Any]:
+    """What `batch_runs` keeps of an engine: its settings (JSON-safe), how each piece runs, the
+    sampling defaults in force and Conveyor's version."""
+    config = getattr(engine, "engine_config", None)
+    settings = {} if config is None else json_safe(dataclasses.asdict(config))
+    plan = getattr(engine, "plan", None)
+    if plan is not None:
+        settings["plan"] = json_safe(plan.as_dict())
+    return {
+        "conveyor": __version__,
+        "engine": settings,
+        "default_sampling": dict(getattr(engine, "default_sampling", {})),
+    }
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with what JSON cannot hold (a torch dtype, a path) as its text."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)

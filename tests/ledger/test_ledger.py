@@ -330,3 +330,26 @@ def test_a_task_that_ends_unclaimed_leaves_its_shard_to_the_reconciler(any_ledge
     with any_ledger.session() as session:
         lost = shard_lifecycle.shards_to_enqueue(session, batch_id, lambda: None, 60, 60)
     assert [s.id for s in lost] == [shard_id]  # even where the broker cannot be looked into
+
+
+def test_what_ran_a_batch_is_noted_once_per_worker_and_fingerprint(any_ledger: Ledger):
+    from conveyor.ledger.batch_runs import record_run, runs_of
+
+    batch_id, _ = make_batch(any_ledger, batch_lines(2), shard_size=2)
+    other_id, _ = make_batch(any_ledger, batch_lines(2), shard_size=2)
+    record = {"conveyor": "0.1.0", "engine": {"dtype": "torch.bfloat16"}, "default_sampling": {}}
+    with any_ledger.session() as session:
+        record_run(session, batch_id, "w1", "fp-a", record)
+    with any_ledger.session() as session:
+        record_run(session, batch_id, "w1", "fp-a", {"engine": {"dtype": "later"}})  # kept first
+        record_run(session, batch_id, "w2", "fp-b", record)
+    with any_ledger.reads() as session:
+        runs = runs_of(session, [batch_id, other_id])
+    assert [(r["worker"], r["fingerprint"]) for r in runs[batch_id]] == [
+        ("w1", "fp-a"), ("w2", "fp-b")
+    ]  # fmt: skip
+    assert runs[batch_id][0]["engine"] == {"dtype": "torch.bfloat16"} and runs[other_id] == []
+    with any_ledger.session() as session:  # deleting the batch deletes what ran it
+        session.delete(session.get(BatchRow, batch_id))
+    with any_ledger.reads() as session:
+        assert runs_of(session, [batch_id])[batch_id] == []

@@ -138,6 +138,9 @@ def test_embedded_serve_and_submit(embedded: tuple[str, dict[str, str]], tmp_pat
     assert worker["fingerprint"].startswith("fp-")
     (model,) = [m for m in httpx.get(url + "/v1/models").json()["data"] if m["id"] == "demo"]
     assert model["fingerprints"] == [worker["fingerprint"]]
+    (run,) = httpx.get(f"{url}/v1/batches/{batch_id}").json()["reproducibility"]
+    assert (run["worker"], run["fingerprint"]) == (worker["id"], worker["fingerprint"])
+    assert run["engine"]["plan"]["device"] == "cpu" and run["conveyor"]
 
     # the same lines again answer the same; an edited and an added line are what `diff` names
     again = submit(url, env, path, *wait)
