@@ -106,6 +106,7 @@ def same_request(batch: BatchRow, body: schemas.BatchCreate, idempotency_key: st
             ("endpoint", batch.endpoint, body.endpoint),
             ("completion_window", batch.completion_window, body.completion_window),
             ("metadata", batch.metadata_ or None, body.metadata or None),
+            ("reuse", batch.reuse, body.reuse),
         )
         if then != now
     ]
@@ -135,6 +136,7 @@ def _create(
         window_seconds=window_seconds(body.completion_window),
         metadata=body.metadata,
         idempotency_key=idempotency_key,
+        reuse=body.reuse,
     )
     with open(path, "rb") as f:
         validation = validate(

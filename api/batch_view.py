@@ -94,7 +94,7 @@ def batch_object(batch: BatchRow | Row[Any], runs: Sequence[dict[str, Any]] = ()
         cancelling_at=batch.cancelling_at,
         cancelled_at=batch.cancelled_at,
         request_counts=schemas.RequestCounts(
-            total=total, completed=totals.completed, failed=totals.failed
+            total=total, completed=totals.completed, failed=totals.failed, reused=totals.reused
         ),
         metadata=batch.metadata_,
         usage=schemas.Usage(

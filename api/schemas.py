@@ -51,6 +51,12 @@ class BatchCreate(BaseModel):
     endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
     completion_window: str = Field(default="24h", max_length=16)
     metadata: dict[str, str] | None = None
+    reuse: Literal["exact"] | None = Field(
+        default=None,
+        description='"exact": answer each deterministic line (greedy, or sampled with a seed) '
+        "from an earlier completed line of this project with the same model fingerprint and "
+        "the same normalised request; the rest are computed",
+    )
 
     @field_validator("completion_window")
     @classmethod
@@ -98,6 +104,9 @@ class RequestCounts(BaseModel):
     total: int
     completed: int
     failed: int
+    reused: int = Field(
+        default=0, description="of the completed, answered from an earlier batch's results"
+    )
 
 
 class InputTokensDetails(BaseModel):

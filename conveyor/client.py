@@ -90,13 +90,16 @@ class ConveyorClient:
         window: str = "24h",
         metadata: dict[str, str] | None = None,
         idempotency_key: str | None = None,
+        reuse: str | None = None,
     ) -> dict[str, Any]:
-        body = {
+        body: dict[str, Any] = {
             "input_file_id": file_id,
             "endpoint": endpoint,
             "completion_window": window,
             "metadata": metadata,
         }
+        if reuse is not None:
+            body["reuse"] = reuse
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         return self._check(self.http.post("/v1/batches", json=body, headers=headers)).json()
 
@@ -113,6 +116,7 @@ class ConveyorClient:
         window: str = "24h",
         metadata: dict[str, str] | None = None,
         idempotency_key: str | None = None,
+        reuse: str | None = None,
     ) -> tuple[dict[str, Any], bool]:
         """The batch made earlier with `idempotency_key` and True, else a new batch of the
         uploaded `path` and False. When a concurrent create with the key wins, its batch is
@@ -123,7 +127,9 @@ class ConveyorClient:
                 return batch, True
         file = self.upload(path)
         try:
-            batch = self.create_batch(file["id"], endpoint, window, metadata, idempotency_key)
+            batch = self.create_batch(
+                file["id"], endpoint, window, metadata, idempotency_key, reuse
+            )
         except ServiceError as err:
             if err.code != IDEMPOTENCY_KEY_REUSED or not idempotency_key:
                 raise

@@ -14,6 +14,9 @@ run`), decided here once:
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -184,6 +187,53 @@ def prepare_line(
         log.exception("request %s: internal error while preparing it", request_id)
         return internal_error_line(peek_custom_id(raw), line, request_id)
     return PreparedLine(parsed, prompt, params)
+
+
+def reuse_key(prepared: PreparedLine) -> str | None:
+    """The normalised key of a deterministic line (greedy, or sampled with a seed), under which
+    its result may answer an equal line later (`ledger.reuse`); None for any other line. It
+    holds what can change the answer: the endpoint and model name, the prompt as the engine
+    gets it (a chat's rendered template, tools and all), every sampling setting with its
+    defaults filled in, and what shapes the answer's body; key order and spacing do not count.
+    The model's weights and numerics are its fingerprint's part."""
+    params, parsed = prepared.params, prepared.parsed
+    if params.temperature != 0 and params.seed is None:
+        return None
+    shape = {
+        "url": parsed.url,
+        "model": parsed.model,
+        "prompt": prepared.prompt,
+        "sampling": dataclasses.asdict(params),
+        "echo": parsed.echo,
+        "drop_generation": parsed.drop_generation,
+        "top_logprobs": parsed.top_logprobs,
+        "tools": parsed.tools,
+        "tool_use": _tool_use(parsed.tool_use),
+        "reasoning": _name(parsed.reasoning),
+        "responses": parsed.responses,
+    }
+    text = json.dumps(shape, sort_keys=True, separators=(",", ":"), default=_plain)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _name(parser: Any) -> str | None:
+    return None if parser is None else getattr(parser, "name", type(parser).__name__)
+
+
+def _tool_use(use: Any) -> dict[str, Any] | None:
+    if use is None:
+        return None
+    return {"choice": use.choice, "name": use.name, "parallel": use.parallel,
+            "parser": _name(use.parser)}  # fmt: skip
+
+
+def _plain(value: Any) -> Any:
+    """What JSON holds of a dataclass or a Pydantic model in a key."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if hasattr(value, "model_dump"):
+        return value.model_dump(mode="json")
+    return repr(value)
 
 
 def refused_line(

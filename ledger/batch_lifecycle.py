@@ -46,6 +46,7 @@ class NewBatch:
     window_seconds: int
     metadata: dict[str, str] | None
     idempotency_key: str | None
+    reuse: str | None = None  # "exact": answer lines from equal earlier results (`reuse`)
 
 
 def open_batch(
@@ -71,6 +72,7 @@ def open_batch(
         model=validation.model,
         metadata_=new.metadata,
         idempotency_key=new.idempotency_key,
+        reuse=new.reuse,
         created_at=now,
         total=0,
         status=BatchStatus.VALIDATING,

@@ -21,6 +21,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
 )
+from sqlalchemy import false as sa_false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from conveyor.wire_format.validation import CUSTOM_ID_MAX_CHARS, MODEL_MAX_CHARS
@@ -108,6 +109,9 @@ class BatchRow(Base):
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # lines answered from an earlier batch's results ("exact" reuse, `ledger.reuse`)
+    reused_count: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    reuse: Mapped[str | None] = mapped_column(String(16), nullable=True)
     # the client's `Idempotency-Key` of the create call: a re-sent create returns this batch
     idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
     # since when no live worker serves the batch's model (None: one does, or it is not running)
@@ -160,7 +164,10 @@ class ResultRow(Base):
     """The outcome of one request. `seq` orders results for streaming (`?after=`)."""
 
     __tablename__ = "results"
-    __table_args__ = (Index("ix_results_batch_seq", "batch_id", "seq"),)
+    __table_args__ = (
+        Index("ix_results_batch_seq", "batch_id", "seq"),
+        Index("ix_results_reuse", "fingerprint", "request_key"),
+    )
 
     seq: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     request_id: Mapped[int] = mapped_column(
@@ -175,6 +182,11 @@ class ResultRow(Base):
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
     worker: Mapped[str | None] = mapped_column(String(255), nullable=True)
     created_at: Mapped[float] = mapped_column(Float)
+    # what makes a deterministic result reusable (`ledger.reuse`): the model fingerprint it
+    # came from and its request's normalised key; None for a result nobody may reuse
+    fingerprint: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    request_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    reused: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())
 
 
 class BatchRunRow(Base):

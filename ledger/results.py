@@ -25,6 +25,7 @@ _ADD_COUNTS = (
         prompt_tokens=_batches.c.prompt_tokens + bindparam("prompt"),
         completion_tokens=_batches.c.completion_tokens + bindparam("completion"),
         cached_tokens=_batches.c.cached_tokens + bindparam("cached"),
+        reused_count=_batches.c.reused_count + bindparam("reused"),
     )
 )
 _FIRST_RESULT_AT = (
@@ -45,6 +46,9 @@ def result_row(
     prompt_tokens: int = 0,
     completion_tokens: int = 0,
     cached_tokens: int = 0,
+    fingerprint: str | None = None,
+    request_key: str | None = None,
+    reused: bool = False,
 ) -> dict[str, Any]:
     """The `results` row of a request's result or error line: keyed by the line's own `id`
     (what `?after=` takes), holding the line as JSON text the ledger can store."""
@@ -59,6 +63,9 @@ def result_row(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         cached_tokens=cached_tokens,
+        fingerprint=fingerprint,
+        request_key=request_key,
+        reused=reused,
     )
 
 
@@ -69,6 +76,7 @@ class Counts:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reused: int = 0  # of the completed, answered from an earlier batch's results
 
     @property
     def done(self) -> int:
@@ -84,6 +92,7 @@ def counts(batch: BatchRow | Row[Any]) -> Counts:
         batch.prompt_tokens,
         batch.completion_tokens,
         batch.cached_tokens,
+        batch.reused_count,
     )
 
 
@@ -101,19 +110,23 @@ _RESULT_PG_TYPES = {
     "prompt_tokens": "integer",
     "completion_tokens": "integer",
     "cached_tokens": "integer",
+    "fingerprint": "varchar",
+    "request_key": "varchar",
+    "reused": "boolean",
 }
 _PG_INSERT_RESULTS = (
     f"INSERT INTO results ({', '.join(_RESULT_PG_TYPES)}) SELECT * FROM unnest("
     + ", ".join(f"%({c})b::{t}[]" for c, t in _RESULT_PG_TYPES.items())
     + ") ON CONFLICT (request_id) DO NOTHING"
-    " RETURNING batch_id, ok, prompt_tokens, completion_tokens, cached_tokens"
+    " RETURNING batch_id, ok, prompt_tokens, completion_tokens, cached_tokens, reused"
 )
-_RESULT_DEFAULTS = {"worker": None, "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+_RESULT_DEFAULTS = {"worker": None, "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
+                    "fingerprint": None, "request_key": None, "reused": False}  # fmt: skip
 
 
 def _insert_results(session: Session, rows: list[dict[str, Any]]) -> list[Any]:
     """Insert result rows, skipping requests that have one; returns the inserted rows'
-    (batch_id, ok, prompt_tokens, completion_tokens, cached_tokens)."""
+    (batch_id, ok, prompt_tokens, completion_tokens, cached_tokens, reused)."""
     if session.get_bind().dialect.name == "postgresql":
         arrays = {c: [r.get(c, _RESULT_DEFAULTS.get(c)) for r in rows] for c in _RESULT_PG_TYPES}
         # psycopg's own cursor, on the session's connection and transaction: binary
@@ -132,6 +145,7 @@ def _insert_results(session: Session, rows: list[dict[str, Any]]) -> list[Any]:
             ResultRow.prompt_tokens,
             ResultRow.completion_tokens,
             ResultRow.cached_tokens,
+            ResultRow.reused,
         )
     )
     return list(session.execute(stmt, rows).all())
@@ -151,8 +165,9 @@ def record_results(
     first = min(r["created_at"] for r in rows)
     fresh = {r["batch_id"] for r in rows} - (started or set())
     added: dict[str, Counts] = {}
-    for batch_id, ok, prompt, completion, cached in inserted:
+    for batch_id, ok, prompt, completion, cached, reused in inserted:
         c = added.setdefault(batch_id, Counts())
+        c.reused += bool(reused)
         c.completed += bool(ok)
         c.failed += not ok
         c.prompt_tokens += prompt or 0
@@ -176,6 +191,7 @@ def add_counts(session: Session, batch_id: str, c: Counts) -> None:
             "prompt": c.prompt_tokens,
             "completion": c.completion_tokens,
             "cached": c.cached_tokens,
+            "reused": c.reused,
         },
     )
 

@@ -43,6 +43,8 @@ _CLAIM_SHARD = (
         _shards.c.prefix_key,
         select(_batches.c.model).where(_batches.c.id == _shards.c.batch_id).scalar_subquery(),
         _shards.c.attempts,
+        select(_batches.c.project).where(_batches.c.id == _shards.c.batch_id).scalar_subquery(),
+        select(_batches.c.reuse).where(_batches.c.id == _shards.c.batch_id).scalar_subquery(),
     )
 )
 # a run that ended cleanly (handed back on SIGTERM, its batch cancelled or expired) is no
@@ -119,6 +121,8 @@ class ClaimedShard:
     # (request id, line number, raw line, engine failures) of those without results
     requests: list[tuple[int, int, str, int]]
     quarantined: bool = False  # not to be run: its requests got error lines, it is closed
+    project: str = ""
+    reuse: str | None = None  # the batch's reuse mode ("exact"), None: compute every line
 
 
 def claim_shard(
@@ -143,15 +147,17 @@ def claim_shard(
     claimed = conn.execute(_CLAIM_SHARD, {"shard_id": shard_id, "by": worker, "now": now}).first()
     if claimed is None:
         return None
-    batch_id, index, prefix_key, model, attempts = claimed
+    batch_id, index, prefix_key, model, attempts, project, reuse = claimed
     if max_attempts is not None and attempts > max_attempts:
         _quarantine(session, shard_id, batch_id, index, max_attempts, heartbeat_timeout)
-        return ClaimedShard(shard_id, batch_id, index, model or "", prefix_key, [], True)
+        return ClaimedShard(shard_id, batch_id, index, model or "", prefix_key, [], True, project)
     rows = conn.execute(
         _TAKE_REQUESTS, {"of_batch": batch_id, "of_shard": index, "by": worker, "now": now}
     ).all()
     requests = sorted((int(i), int(line), raw, int(fails or 0)) for i, line, raw, fails in rows)
-    return ClaimedShard(shard_id, batch_id, index, model or "", prefix_key, requests)
+    return ClaimedShard(
+        shard_id, batch_id, index, model or "", prefix_key, requests, False, project, reuse
+    )
 
 
 def _quarantine(

@@ -18,6 +18,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -31,6 +32,7 @@ from conveyor.engine.protocol import Engine
 from conveyor.ledger.batch_runs import record_run
 from conveyor.ledger.db import Ledger, until_reached
 from conveyor.ledger.results import result_row
+from conveyor.ledger.reuse import REUSE_EXACT, find_reusable
 from conveyor.ledger.shard_lifecycle import (
     ClaimedShard,
     claim_shard,
@@ -43,7 +45,13 @@ from conveyor.ledger.shard_lifecycle import (
 from conveyor.ledger.states import BatchStatus
 from conveyor.ledger.workers import announce, withdraw
 from conveyor.logs import bind, log_context
-from conveyor.request_outcome import PreparedLine, output_line, prepare_line, refused_line
+from conveyor.request_outcome import (
+    PreparedLine,
+    output_line,
+    prepare_line,
+    refused_line,
+    reuse_key,
+)
 from conveyor.settings import Settings
 from conveyor.version import __version__
 from conveyor.wire_format.errors import REQUEST_QUARANTINED
@@ -53,9 +61,7 @@ from conveyor.wire_format.request_line import (
     parse_request_line,
     peek_custom_id,
 )
-from conveyor.wire_format.result_lines import (
-    build_error_line,
-)
+from conveyor.wire_format.result_lines import build_error_line, reused_line
 from conveyor.wire_format.token_text import TokenDecoder
 from conveyor.worker.engine_service import EngineJob, EngineService
 from conveyor.worker.metrics import WorkerMetrics
@@ -355,8 +361,11 @@ class WorkerRuntime:
             self._record_run(claim.batch_id)
         self.shard_prefixes[claim.prefix_key] += 1
         pending = PendingResults(shard_id, claim.batch_id, len(claim.requests))
-        jobs = [self._job(claim, pending, *request) for request in claim.requests]
+        keyed: dict[str, Keyed] = {}
+        jobs = [self._job(claim, pending, keyed, *request) for request in claim.requests]
         jobs = [job for job in jobs if job is not None]
+        if claim.reuse == REUSE_EXACT and keyed:
+            jobs = self._reuse(claim, pending, jobs, keyed)
         service = self.service
         service.submit(jobs)
         if not claim.requests:  # all done on an earlier run: the writer has nothing to close
@@ -368,10 +377,16 @@ class WorkerRuntime:
         service.abort([job.request_id for job in jobs])
         return self._stop_early(shard_id, claim.batch_id, service)
 
+    @property
+    def fingerprint(self) -> str | None:
+        """The model fingerprint of the engine (None for the echo engine, which has no model:
+        its lines are neither recorded for reuse nor reused)."""
+        return getattr(self.engine, "fingerprint", None)
+
     def _record_run(self, batch_id: str) -> None:
         """Note in the ledger, once per batch and engine, what runs the batch here: the
         model fingerprint, the engine's settings and its sampling defaults."""
-        fingerprint = getattr(self.engine, "fingerprint", None)
+        fingerprint = self.fingerprint
         if fingerprint is None or (batch_id, fingerprint) in self._runs_recorded:
             return  # the echo engine has no model to fingerprint
         try:
@@ -400,10 +415,48 @@ class WorkerRuntime:
             )
         return claim
 
+    def _reuse(
+        self,
+        claim: ClaimedShard,
+        pending: PendingResults,
+        jobs: list[EngineJob],
+        keyed: dict[str, Keyed],
+    ) -> list[EngineJob]:
+        """Answer the jobs whose key an earlier result of the project has under this model's
+        fingerprint with that result; the others, to run."""
+        fingerprint = self.fingerprint
+        assert fingerprint is not None, "only a fingerprinted engine keys its lines"
+        try:
+            with self.ledger.reads() as session:
+                found = find_reusable(
+                    session, claim.project, fingerprint, (k.key for k in keyed.values())
+                )
+        except Exception:  # nothing is lost: the lines are computed
+            log.warning("could not look up reusable results; computing them", exc_info=True)
+            return jobs
+        left = []
+        for job in jobs:
+            entry = keyed.get(job.request_id)
+            hit = None if entry is None else found.get(entry.key)
+            if hit is None:
+                left.append(job)
+                continue
+            parsed = entry.parsed
+            line = reused_line(hit.output, parsed.custom_id, hit.batch_id, hit.line_id)
+            self._write(claim.batch_id, entry.request_id, line, pending, parsed.line, True,
+                        prompt_tokens=hit.prompt_tokens, completion_tokens=hit.completion_tokens,
+                        cached_tokens=hit.cached_tokens, fingerprint=fingerprint,
+                        request_key=entry.key, reused=True)  # fmt: skip
+        if len(left) < len(jobs):
+            log.info("shard %s: %d lines answered from earlier results",
+                     claim.shard_id, len(jobs) - len(left))  # fmt: skip
+        return left
+
     def _job(
         self,
         claim: ClaimedShard,
         pending: PendingResults,
+        keyed: dict[str, Keyed],
         request_id: int,
         line: int,
         raw: str,
@@ -422,11 +475,16 @@ class WorkerRuntime:
             self._write(batch_id, request_id, prepared, pending, line)
             return None
         parsed = prepared.parsed
+        key = reuse_key(prepared) if self.fingerprint is not None else None
+        if key is not None:
+            keyed[engine_id] = Keyed(key, request_id, parsed)
         return EngineJob(
             engine_id,
             prepared.prompt,
             prepared.params,
-            on_done=partial(self._on_done, batch_id, request_id, parsed, claim.model, pending),
+            on_done=partial(
+                self._on_done, batch_id, request_id, parsed, claim.model, pending, key
+            ),  # fmt: skip
             on_error=partial(self._on_refused, batch_id, request_id, parsed, pending),
             priority=BATCH_PRIORITY,
             solo=engine_failures > 0,
@@ -505,7 +563,7 @@ class WorkerRuntime:
             raise
 
     # ---- results (called from the engine thread) -------------------------------------------
-    def _on_done(self, batch_id, request_id, parsed, model, pending, output) -> None:
+    def _on_done(self, batch_id, request_id, parsed, model, pending, key, output) -> None:
         if output.error is None:  # it ran to its end
             self.metrics.observe_request(output)
         line, ok = output_line(parsed, output, model, self.decoder, f"{batch_id}:{request_id}")
@@ -523,6 +581,9 @@ class WorkerRuntime:
             prompt_tokens=len(output.prompt_token_ids or []),
             completion_tokens=0 if parsed.drop_generation else completion,
             cached_tokens=output.num_cached_tokens,
+            # a deterministic answer may answer an equal line later (`ledger.reuse`)
+            fingerprint=None if key is None else self.fingerprint,
+            request_key=key,
         )
 
     def _on_refused(self, batch_id, request_id, parsed, pending, err) -> None:
@@ -534,6 +595,15 @@ class WorkerRuntime:
     def _write(self, batch_id, request_id, line, pending, number=None, ok=False, **tokens) -> None:
         row = result_row(request_id, batch_id, line, ok=ok, worker=self.name, **tokens)
         self.writer.put(WriteItem(row, pending, line.get("custom_id"), number))
+
+
+@dataclass
+class Keyed:
+    """A line of a shard that has a reuse key (`request_outcome.reuse_key`)."""
+
+    key: str
+    request_id: int
+    parsed: ParsedRequest
 
 
 def run_record(engine: Any) -> dict[str, Any]:

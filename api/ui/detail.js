@@ -77,6 +77,7 @@ function progressCard(batch) {
       "dl",
       { class: "stats" },
       kv("Completed", fmt.count(counts.completed)),
+      kv("Reused", fmt.count(counts.reused ?? 0)),
       kv("Failed", fmt.count(counts.failed), counts.failed ? "bad-text" : ""),
       kv("Total", fmt.count(counts.total)),
       kv("Output tok/s", fmt.rate(tokensPerSecond(batch))),

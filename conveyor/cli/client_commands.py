@@ -56,6 +56,13 @@ def add_submit(sub: argparse._SubParsersAction) -> None:
         "again (e.g. nightly-$(date +%%F) makes a re-run of a nightly step attach to that "
         "night's batch, whatever became of it)",
     )
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="answer each deterministic line (greedy, or with a seed) from an earlier "
+        "completed line of this project with the same model fingerprint and the same request, "
+        'computing only the rest (the API\'s reuse: "exact")',
+    )
     p.add_argument("-o", "--output", type=Path, help="with --wait: write the results here")
     p.add_argument("--errors", type=Path, help="with --wait: write the error lines here")
     p.add_argument(
@@ -167,8 +174,9 @@ def _new_batch(
 ) -> dict:
     """The batch made earlier with --idempotency-key, else a new one of the uploaded `path`."""
     batch, reused = client.find_or_create_batch(
-        path, endpoint, args.completion_window, metadata or None, args.idempotency_key
-    )
+        path, endpoint, args.completion_window, metadata or None, args.idempotency_key,
+        "exact" if args.reuse else None,
+    )  # fmt: skip
     if reused:
         print(
             f"reusing batch {batch['id']} ({batch['status']}), created with "
@@ -202,8 +210,9 @@ def wait_and_download(client, batch_id: str, args: argparse.Namespace) -> int:
     elif args.errors:
         args.errors.write_bytes(b"")
     counts = batch["request_counts"]
+    reused = f" ({counts['reused']} reused)" if counts.get("reused") else ""
     print(
-        f"batch {batch_id} {batch['status']}: {counts['completed']} completed, "
+        f"batch {batch_id} {batch['status']}: {counts['completed']} completed{reused}, "
         f"{counts['failed']} failed of {counts['total']}",
         file=sys.stderr,
     )

@@ -40,6 +40,20 @@ def build_output_line(
     }
 
 
+def reused_line(earlier: str, custom_id: str, batch_id: str, line_id: str) -> dict[str, Any]:
+    """A line answered with an earlier result (`earlier`, its line's JSON text): its body as it
+    was, under this line's own ids and `custom_id`, saying where it came from."""
+    response = dict(json.loads(earlier)["response"])
+    response["request_id"] = new_id()
+    return {
+        "id": f"batch_req_{new_id()}",
+        "custom_id": custom_id,
+        "response": response,
+        "error": None,
+        "reused_from": {"batch_id": batch_id, "line_id": line_id},
+    }
+
+
 def build_error_line(
     custom_id: str | None,
     code: str,

@@ -136,7 +136,7 @@ def test_line_not_json(api: str):
     lines = [chat("a"), chat("b"), '{"custom_id": "c", "method": "POST",', chat("d")]
     batch = batch_from(api, lines)
     assert failed_errors(batch) == [("invalid_json", 3)]
-    assert batch["request_counts"] == {"total": 0, "completed": 0, "failed": 0}
+    assert batch["request_counts"] == {"total": 0, "completed": 0, "failed": 0, "reused": 0}
 
 
 def test_line_that_is_json_but_not_an_object(api: str):
@@ -332,7 +332,7 @@ def test_bad_sampling_values_fail_only_their_line(api: str):
     assert batch["status"] == "in_progress", batch
     assert batch["errors"] is None
     assert batch["in_progress_at"] is not None and batch["expires_at"] is not None
-    assert batch["request_counts"] == {"total": 6, "completed": 0, "failed": 3}
+    assert batch["request_counts"] == {"total": 6, "completed": 0, "failed": 3, "reused": 0}
     assert batch["model"] == "tiny"
 
     errors = {e["custom_id"]: e for e in results(api, batch["id"])}
@@ -354,7 +354,7 @@ def test_every_line_failing_alone_completes_the_batch(api: str):
     """With no runnable line left the batch finishes at once, with only an error file."""
     batch = batch_from(api, [chat("a", temperature=-1), chat("b", top_p=2)])
     assert batch["status"] == "completed", batch
-    assert batch["request_counts"] == {"total": 2, "completed": 0, "failed": 2}
+    assert batch["request_counts"] == {"total": 2, "completed": 0, "failed": 2, "reused": 0}
     assert batch["output_file_id"] is None
     r = no_5xx(httpx.get(f"{api}/v1/files/{batch['error_file_id']}/content"))
     assert r.status_code == 200, r.text
@@ -412,7 +412,7 @@ def test_text_with_a_lone_surrogate_fails_alone(api: str):
     lines[1]["body"]["messages"][0]["content"] = "\ud800"
     batch = batch_from(api, lines)
     assert batch["status"] == "in_progress", batch
-    assert batch["request_counts"] == {"total": 4, "completed": 0, "failed": 2}
+    assert batch["request_counts"] == {"total": 4, "completed": 0, "failed": 2, "reused": 0}
     errors = {e["custom_id"]: e for e in results(api, batch["id"])}
     assert set(errors) == {"b", "c"}
     b, c = errors["b"], errors["c"]
@@ -608,7 +608,7 @@ def test_cancel_a_queued_batch(api: str):
     while (got := httpx.get(f"{api}/v1/batches/{batch['id']}").json())["status"] != "cancelled":
         assert time.time() < deadline, got
         time.sleep(0.2)
-    assert got["request_counts"] == {"total": 5, "completed": 0, "failed": 5}
+    assert got["request_counts"] == {"total": 5, "completed": 0, "failed": 5, "reused": 0}
     assert got["output_file_id"] is None and got["cancelled_at"] is not None
     r = no_5xx(httpx.get(f"{api}/v1/files/{got['error_file_id']}/content"))
     skipped = [json.loads(x) for x in r.text.splitlines()]
@@ -702,7 +702,7 @@ def test_large_upload_streams(api: str, tmp_path: Path):
     assert r.status_code == 200, r.text
     batch = r.json()
     assert batch["status"] == "in_progress", batch
-    assert batch["request_counts"] == {"total": n, "completed": 0, "failed": 0}
+    assert batch["request_counts"] == {"total": n, "completed": 0, "failed": 0, "reused": 0}
     assert time.time() - start < 60
 
     # one line more is over the limit: the upload is refused, naming the limit

@@ -91,3 +91,29 @@ def test_a_fault_while_formatting_is_an_internal_error(caplog):
     line, ok = output_line(parsed, broken, "m", TokenDecoder(None), "b:3")
     assert not ok and line["error"]["code"] == "internal_error"
     assert "b:3" in line["error"]["message"] and "formatting" in caplog.text
+
+
+def key_of(body: dict, custom_id: str = "a") -> str | None:
+    from conveyor.request_outcome import reuse_key
+
+    line = {**LINE, "custom_id": custom_id, "body": body}
+    prepared = prepare_line(Engine(), json.dumps(line), 1, "b:1", parse)
+    assert isinstance(prepared, PreparedLine)
+    return reuse_key(prepared)
+
+
+def test_a_reuse_key_is_exact_and_blind_to_spelling():
+    greedy = {"model": "m", "prompt": "hi", "max_tokens": 2, "temperature": 0}
+    key = key_of(greedy)
+    assert key is not None and len(key) == 32
+    # key order, another custom_id and a default given outright change nothing
+    assert key_of(dict(reversed(greedy.items())), "other") == key
+    assert key_of({**greedy, "top_p": 1.0, "presence_penalty": 0}) == key
+    # anything that can change the answer does
+    for change in ({"prompt": "hi "}, {"max_tokens": 3}, {"model": "n"}, {"logprobs": 1},
+                   {"echo": True}, {"stop": ["x"]}, {"seed": 3}):  # fmt: skip
+        assert key_of({**greedy, **change}) not in (key, None), change
+    # a sampled line has a key only with a seed
+    assert key_of({**greedy, "temperature": 0.7}) is None
+    seeded = key_of({**greedy, "temperature": 0.7, "seed": 1})
+    assert seeded is not None and seeded != key_of({**greedy, "temperature": 0.7, "seed": 2})

@@ -353,3 +353,23 @@ def test_what_ran_a_batch_is_noted_once_per_worker_and_fingerprint(any_ledger: L
         session.delete(session.get(BatchRow, batch_id))
     with any_ledger.reads() as session:
         assert runs_of(session, [batch_id])[batch_id] == []
+
+
+def test_reusable_results_stay_in_their_project_fingerprint_and_key(any_ledger: Ledger):
+    from conveyor.ledger.reuse import find_reusable
+
+    batch_id, shards = make_batch(any_ledger, batch_lines(3), shard_size=3)
+    with any_ledger.session() as session:
+        claim = shard_lifecycle.claim_shard(session, shards[0][0], "w1")
+        ids = [r[0] for r in claim.requests]
+        rows = [result_row(batch_id, i) for i in ids]
+        for row, key in zip(rows, ["k0", "k1", "k2"], strict=True):
+            row.update(fingerprint="fp-a", request_key=key)
+        rows[2]["ok"] = False  # an error is never reused
+        results.record_results(session, rows)
+    with any_ledger.reads() as session:
+        project = session.get(BatchRow, batch_id).project
+        found = find_reusable(session, project, "fp-a", ["k0", "k1", "k2", "k9"])
+        assert sorted(found) == ["k0", "k1"] and found["k0"].batch_id == batch_id
+        assert find_reusable(session, project, "fp-b", ["k0"]) == {}  # other weights
+        assert find_reusable(session, "someone-else", "fp-a", ["k0"]) == {}

@@ -622,7 +622,7 @@ def test_deleting_a_batchs_files_erases_what_they_hold(
     assert results() == []
     # the batch itself still tells what happened
     got = httpx.get(f"{api}/v1/batches/{batch['id']}").json()
-    assert got["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+    assert got["request_counts"] == {"total": 3, "completed": 2, "failed": 1, "reused": 0}
 
     # the input file: its finished batch's copies of the lines go, a running batch keeps its
     stack.kill("w1")

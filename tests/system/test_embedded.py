@@ -125,7 +125,7 @@ def test_embedded_serve_and_submit(embedded: tuple[str, dict[str, str]], tmp_pat
     assert "demo" in models
     batch = httpx.get(f"{url}/v1/batches/{batch_id}").json()
     assert batch["status"] == "completed" and batch["model"] == "demo"
-    assert batch["request_counts"] == {"total": 16, "completed": 16, "failed": 0}
+    assert batch["request_counts"] == {"total": 16, "completed": 16, "failed": 0, "reused": 0}
     # the web page, at the root, and what it reads beside the batches, on the SQLite ledger
     page = httpx.get(url + "/", follow_redirects=True)
     assert page.status_code == 200 and '<script type="module" src="app.js">' in page.text
@@ -141,6 +141,26 @@ def test_embedded_serve_and_submit(embedded: tuple[str, dict[str, str]], tmp_pat
     (run,) = httpx.get(f"{url}/v1/batches/{batch_id}").json()["reproducibility"]
     assert (run["worker"], run["fingerprint"]) == (worker["id"], worker["fingerprint"])
     assert run["engine"]["plan"]["device"] == "cpu" and run["conveyor"]
+
+    # with --reuse, the same greedy lines are answered from the first run's results, exactly;
+    # a sampled line without a seed is computed
+    sampled = {**lines[0], "custom_id": "sampled",
+               "body": {**lines[0]["body"], "temperature": 1.0}}  # fmt: skip
+    reuse_path = write_jsonl(tmp_path / "reuse.jsonl", [*lines, sampled])
+    reused_out = tmp_path / "reused.jsonl"
+    again = submit(url, env, reuse_path, "--model", "demo", "--wait", "--poll", "0.3",
+                   "-o", str(reused_out), "--reuse")  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert "17 completed (16 reused), 0 failed of 17" in again.stderr, again.stderr
+    reused = {o["custom_id"]: o for o in map(json.loads, reused_out.read_text().splitlines())}
+    first = {o["custom_id"]: o for o in outputs}
+    for custom_id, line in first.items():
+        assert reused[custom_id]["reused_from"]["batch_id"] == batch_id
+        assert reused[custom_id]["reused_from"]["line_id"] == line["id"]
+        assert reused[custom_id]["response"]["body"] == line["response"]["body"]
+    assert "reused_from" not in reused["sampled"]
+    counts = httpx.get(f"{url}/v1/batches/{again.stdout.split()[0]}").json()["request_counts"]
+    assert counts == {"total": 17, "completed": 17, "failed": 0, "reused": 16}
 
     # the same lines again answer the same; an edited and an added line are what `diff` names
     again = submit(url, env, path, *wait)

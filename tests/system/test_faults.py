@@ -52,7 +52,12 @@ def wait_until(api: str, batch_id: str, done: int, timeout: float = 120) -> dict
 
 def assert_exactly_once(api: str, batch: dict, lines: list[dict], database_url: str) -> None:
     assert batch["status"] == "completed", batch
-    assert batch["request_counts"] == {"total": len(lines), "completed": len(lines), "failed": 0}
+    assert batch["request_counts"] == {
+        "total": len(lines),
+        "completed": len(lines),
+        "failed": 0,
+        "reused": 0,
+    }
     out = httpx.get(f"{api}/v1/files/{batch['output_file_id']}/content", timeout=60).text
     ids = [json.loads(x)["custom_id"] for x in out.splitlines()]
     assert sorted(ids) == sorted(x["custom_id"] for x in lines)  # each exactly once

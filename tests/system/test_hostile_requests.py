@@ -49,7 +49,7 @@ def hostile_batch() -> list[dict]:
 def assert_five_answers_and_three_errors(api: str, batch_id: str) -> None:
     batch = wait_for(api, batch_id, timeout=120)
     assert batch["status"] == "completed", batch
-    assert batch["request_counts"] == {"total": 8, "completed": 5, "failed": 3}
+    assert batch["request_counts"] == {"total": 8, "completed": 5, "failed": 3, "reused": 0}
     answers = download(api, batch["output_file_id"])
     assert sorted(a["custom_id"] for a in answers) == [f"good-{i}" for i in range(5)]
     errors = {e["custom_id"]: e for e in download(api, batch["error_file_id"])}
@@ -104,7 +104,7 @@ def poisoned_batch() -> list[dict]:
 def assert_only_the_poison_quarantined(api: str, batch_id: str) -> None:
     batch = wait_for(api, batch_id, timeout=180)
     assert batch["status"] == "completed", batch
-    assert batch["request_counts"] == {"total": 8, "completed": 7, "failed": 1}
+    assert batch["request_counts"] == {"total": 8, "completed": 7, "failed": 1, "reused": 0}
     (error,) = download(api, batch["error_file_id"])
     assert error["custom_id"] == "c-2"
     assert error["error"]["code"] == "request_quarantined"

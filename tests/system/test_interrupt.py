@@ -72,7 +72,7 @@ def test_ctrl_c_stops_a_worker_and_submit_at_once_and_the_batch_goes_on(
 
     stack.start_worker("w2", chat_model)
     done = wait_for(api, batch_id, timeout=240)
-    assert done["request_counts"] == {"total": 240, "completed": 240, "failed": 0}
+    assert done["request_counts"] == {"total": 240, "completed": 240, "failed": 0, "reused": 0}
     assert_each_once(api, done, lines)
 
 
@@ -92,5 +92,5 @@ def test_ctrl_c_stops_serve_at_once_and_serving_again_finishes_the_batch(tmp_pat
 
     with serving(sys.executable, tmp_path, env) as (url, _):
         done = wait_for(url, batch_id, timeout=240)
-        assert done["request_counts"] == {"total": 400, "completed": 400, "failed": 0}
+        assert done["request_counts"] == {"total": 400, "completed": 400, "failed": 0, "reused": 0}
         assert_each_once(url, done, lines)

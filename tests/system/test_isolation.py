@@ -85,7 +85,7 @@ def test_a_worker_whose_engine_fails_withdraws_hands_back_and_exits(
     stack.start_worker("w2", "echo")
     batch = wait_for(api, batch_id, timeout=120)
     assert batch["status"] == "completed", batch
-    assert batch["request_counts"] == {"total": 40, "completed": 40, "failed": 0}
+    assert batch["request_counts"] == {"total": 40, "completed": 40, "failed": 0, "reused": 0}
     assert_each_once(every_line(api, batch), lines)
     assert time.time() - started < 60
     by_worker = dict(query(stack, "SELECT worker, count(*) FROM results GROUP BY worker"))
@@ -149,7 +149,7 @@ def assert_poison_failed_alone(
         batch = deployment.wait(batch_id, deployment.a, timeout=60)
         assert batch["status"] == "completed", batch
         n = len(lines)
-        assert batch["request_counts"] == {"total": n, "completed": n - 1, "failed": 1}
+        assert batch["request_counts"] == {"total": n, "completed": n - 1, "failed": 1, "reused": 0}
         got = assert_each_once(deployment.lines(batch, deployment.a), lines)
         error = got[poison]["error"]
         assert (error["code"], error["param"]) == ("invalid_unicode", param)
@@ -172,7 +172,7 @@ def test_poison_lines_fail_alone_and_stall_no_one(stack: Stack, tmp_path: Path) 
 
     batch = deployment.wait(b_id, b, timeout=30)  # the other project is not held up
     assert batch["status"] == "completed", batch
-    assert batch["request_counts"] == {"total": 40, "completed": 40, "failed": 0}
+    assert batch["request_counts"] == {"total": 40, "completed": 40, "failed": 0, "reused": 0}
     assert time.time() - started < 30
     assert_each_once(deployment.lines(batch, b), others)
     assert_poison_failed_alone(deployment, ids, chat, completions)
@@ -203,7 +203,7 @@ def test_poison_lines_stall_no_one_after_a_worker_is_killed(stack: Stack, tmp_pa
     stack.start_worker("w2", "echo", "--max-num-seqs", "4")
     batch = deployment.wait(b_id, b, timeout=90)
     assert batch["status"] == "completed", batch
-    assert batch["request_counts"] == {"total": 40, "completed": 40, "failed": 0}
+    assert batch["request_counts"] == {"total": 40, "completed": 40, "failed": 0, "reused": 0}
     assert time.time() - started < 90  # the heartbeat timeout, then 10 s of steps
     assert_each_once(deployment.lines(batch, b), others)
     assert_poison_failed_alone(deployment, ids, chat, completions)
@@ -235,7 +235,7 @@ def test_what_the_engine_cannot_take_or_the_ledger_cannot_store_fails_alone(
     b_id = submit_batch(api, write_jsonl(tmp_path / "b.jsonl", others), b)
 
     batch = deployment.wait(a_id, a, timeout=30)
-    assert batch["request_counts"] == {"total": 6, "completed": 5, "failed": 1}, batch
+    assert batch["request_counts"] == {"total": 6, "completed": 5, "failed": 1, "reused": 0}, batch
     got = assert_each_once(deployment.lines(batch, a), lines)
     refused = got["a-1"]
     assert refused["error"]["code"] == "internal_error" and refused["error"]["line"] == 2
@@ -291,7 +291,7 @@ def test_a_line_that_keeps_killing_its_worker_is_quarantined_alone(
     # the first failure blames the 8 lines in flight; each then runs alone, and the second
     # failure, alone, names the poisoned one (CONVEYOR_MAX_REQUEST_FAILURES, by default 2)
     assert exits == [ENGINE_FAILED_EXIT] * 2
-    assert a_batch["request_counts"] == {"total": 12, "completed": 11, "failed": 1}
+    assert a_batch["request_counts"] == {"total": 12, "completed": 11, "failed": 1, "reused": 0}
     got = assert_each_once(deployment.lines(a_batch, a), poisoned)
     for i in range(12):
         line = got[f"a-{i}"]
@@ -304,5 +304,5 @@ def test_a_line_that_keeps_killing_its_worker_is_quarantined_alone(
             assert line["error"] is None, line
     assert "quarantined" in stack.log("w1")
     b_batch = deployment.wait(b_id, b, timeout=10)
-    assert b_batch["request_counts"] == {"total": 16, "completed": 16, "failed": 0}
+    assert b_batch["request_counts"] == {"total": 16, "completed": 16, "failed": 0, "reused": 0}
     assert b_done < 60, b_done

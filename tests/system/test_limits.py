@@ -76,7 +76,7 @@ def test_limits(stack: Stack, chat_model: Path, tmp_path: Path) -> None:
     stack.start_worker("w1", chat_model)
     batch = wait_for(api, first["id"], statuses=("completed",), timeout=180)
     errors = download(api, batch["error_file_id"])
-    assert batch["request_counts"] == {"total": 3, "completed": 2, "failed": 1}, errors
+    assert batch["request_counts"] == {"total": 3, "completed": 2, "failed": 1, "reused": 0}, errors
     assert [e["custom_id"] for e in errors] == ["q-0"]
     assert errors[0]["response"]["status_code"] == 422
     body = errors[0]["response"]["body"]["error"]

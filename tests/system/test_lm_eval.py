@@ -327,7 +327,8 @@ class FakeService:
         batch = {
             "id": f"batch_{n}", "status": status, "output_file_id": f"file-{n}",
             "error_file_id": None, "lines": len(lines),
-            "request_counts": {"total": len(lines), "completed": len(lines), "failed": 0},
+            "request_counts": {"total": len(lines), "completed": len(lines), "failed": 0,
+                               "reused": 0},
         }  # fmt: skip
         self.by_key[idempotency_key] = batch
         return batch, False

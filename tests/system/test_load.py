@@ -30,4 +30,9 @@ def test_fifty_clients_poll_a_10k_batch_without_errors(stack: Stack, tmp_path: P
     assert result.status_requests > 50, result  # every client polled
     batch = httpx.get(f"{api}/v1/batches/{batch_id}", headers=key.headers).json()
     assert batch["status"] == "completed"
-    assert batch["request_counts"] == {"total": 10_000, "completed": 10_000, "failed": 0}
+    assert batch["request_counts"] == {
+        "total": 10_000,
+        "completed": 10_000,
+        "failed": 0,
+        "reused": 0,
+    }

@@ -206,4 +206,4 @@ def test_an_online_request_goes_ahead_of_a_running_batch(
     assert batch_left > 40  # far from done, yet the online request did not wait for it
     assert latency < 10, latency
     done = wait_for(api_url, batch_id, timeout=600)
-    assert done["request_counts"] == {"total": 160, "completed": 160, "failed": 0}
+    assert done["request_counts"] == {"total": 160, "completed": 160, "failed": 0, "reused": 0}

@@ -63,7 +63,7 @@ def test_the_request_contract_online_and_in_a_batch(chat_model: Path, tmp_path: 
                         {"messages": MESSAGES, "tools": [{"type": "web_search"}]}])  # fmt: skip
         batch_id = submit_batch(url, write_jsonl(tmp_path / "contract.jsonl", lines))
         done = wait_for(url, batch_id, timeout=180)
-        assert done["request_counts"] == {"total": 8, "completed": 5, "failed": 3}
+        assert done["request_counts"] == {"total": 8, "completed": 5, "failed": 3, "reused": 0}
         answers = {a["custom_id"]: a for a in download(url, done["output_file_id"])}
         errors = {e["custom_id"]: e["error"] for e in download(url, done["error_file_id"])}
 

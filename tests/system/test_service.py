@@ -72,7 +72,7 @@ def test_round_trip_matches_run_batch(stack: Stack, chat_model: Path, tmp_path: 
     assert batch["request_counts"]["total"] == 61
     done = wait_for(api, batch["id"])
     assert done["status"] == "completed", done
-    assert done["request_counts"] == {"total": 61, "completed": 60, "failed": 1}
+    assert done["request_counts"] == {"total": 61, "completed": 60, "failed": 1, "reused": 0}
     assert done["progress"] == 1.0
     outputs, errors = download(api, done["output_file_id"]), download(api, done["error_file_id"])
     ids = [line["custom_id"] for line in outputs + errors]

@@ -147,7 +147,7 @@ def test_worker_sigkill_mid_batch(stack: Stack, chat_model: Path, tmp_path: Path
     stack.start_worker("w2", chat_model, "--concurrency", "4")
     done = wait_for(api, batch["id"], timeout=240)
     assert done["status"] == "completed"
-    assert done["request_counts"] == {"total": 120, "completed": 120, "failed": 0}
+    assert done["request_counts"] == {"total": 120, "completed": 120, "failed": 0, "reused": 0}
     assert_each_once(api, done, lines)
     engine = ledger(stack)
     with engine.connect() as conn:
@@ -183,7 +183,7 @@ def test_redis_emptied_mid_batch(stack: Stack, chat_model: Path, tmp_path: Path)
     client.close()
     done = wait_for(api, batch["id"], timeout=240)
     assert done["status"] == "completed"
-    assert done["request_counts"] == {"total": 120, "completed": 120, "failed": 0}
+    assert done["request_counts"] == {"total": 120, "completed": 120, "failed": 0, "reused": 0}
     assert_each_once(api, done, lines)
 
 
@@ -207,7 +207,7 @@ def test_unserved_model_waits_then_expires(stack: Stack, chat_model: Path, tmp_p
     assert httpx.get(f"{api}/v1/batches/{batch['id']}").json()["status"] == "in_progress"
     done = wait_for(api, batch["id"], timeout=30)
     assert done["status"] == "expired" and done["expired_at"] >= batch["expires_at"]
-    assert done["request_counts"] == {"total": 5, "completed": 0, "failed": 5}
+    assert done["request_counts"] == {"total": 5, "completed": 0, "failed": 5, "reused": 0}
     outputs = assert_each_once(api, done, lines)
     assert {o["error"]["code"] for o in outputs} == {"batch_expired"}
 

@@ -111,7 +111,7 @@ def test_a_batch_for_a_model_nobody_serves_says_so(
     stack.start_worker("w2", chat_model, served="nobody")  # now someone serves it
     done = wait_for(api, batch_id, timeout=120)
     assert done["status"] == "completed" and done["status_details"] is None
-    assert done["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
+    assert done["request_counts"] == {"total": 4, "completed": 4, "failed": 0, "reused": 0}
     assert httpx.get(f"{api}/readyz").json()["unserved_models"] == {}
 
 
@@ -130,7 +130,7 @@ def test_a_batch_whose_model_stays_unserved_fails_with_model_not_found(
     assert failed["status"] == "failed" and failed["failed_at"] is not None
     (error,) = failed["errors"]["data"]
     assert error["code"] == "model_not_found" and "'qwne3'" in error["message"]
-    assert failed["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
+    assert failed["request_counts"] == {"total": 3, "completed": 0, "failed": 3, "reused": 0}
     lines = httpx.get(f"{api}/v1/files/{failed['error_file_id']}/content").text.splitlines()
     assert len(lines) == 3
     assert all('"model_not_found"' in line for line in lines)
