@@ -174,6 +174,18 @@ def write_tokenizer(model_dir: Path, vocab_size: int) -> None:
     build_tokenizer(vocab_size, texts).save_pretrained(str(model_dir))
 
 
+def engine_with_tokenizer(m: BenchModel, args: argparse.Namespace, max_num_seqs: int) -> Any:
+    """Our engine on the checkpoint, with `write_tokenizer`'s tokenizer beside it, prefix
+    caching off."""
+    from conveyor.engine import LLM
+
+    write_tokenizer(m.path, m.shape.vocab)
+    return LLM(str(m.path), device="cpu", enable_prefix_caching=False,
+               attention_backend=args.attention_backend, max_num_seqs=max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens,
+               block_size=args.block_size)  # fmt: skip
+
+
 @dataclass
 class BenchModel:
     """The checkpoint a run measures, its shape, and transformers' copy of it (unless

@@ -30,7 +30,13 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from random_llama import BenchModel, add_model_arguments, add_run_arguments, set_up, write_tokenizer
+from random_llama import (
+    BenchModel,
+    add_model_arguments,
+    add_run_arguments,
+    engine_with_tokenizer,
+    set_up,
+)
 from report import print_result, rule, table
 
 import conveyor.engine.sampler
@@ -193,11 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     m: BenchModel = set_up(args)
     try:
-        write_tokenizer(m.path, m.shape.vocab)
-        llm = LLM(str(m.path), device="cpu", enable_prefix_caching=False,
-                  attention_backend=args.attention_backend, max_num_seqs=CONCURRENCY,
-                  max_num_batched_tokens=args.max_num_batched_tokens,
-                  block_size=args.block_size)  # fmt: skip
+        llm = engine_with_tokenizer(m, args, CONCURRENCY)
         install_stopwatch()
         prompts, counts = workload(args.requests, m.shape.vocab, args.seed)
         rule("workload")

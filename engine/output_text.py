@@ -25,7 +25,8 @@ class OutputText:
         self.text += self._detokenizer.step(token_id)
         if ended or not self._stop or num_output_tokens < self._min_tokens:
             return None
-        text = self.text + self._detokenizer.held
+        held = self._detokenizer.held
+        text = self.text + held if held else self.text
         hit = first_stop(text, start, self._stop)
         if hit is None:
             return None
