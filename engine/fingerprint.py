@@ -7,8 +7,9 @@ the implementation chosen for each piece on this device, batch-invariant mode). 
 name over other weights gets another fingerprint.
 
 Reading 16 GB of weights takes a while, so each file's digest is cached by its resolved path,
-size and modification time (a JSON file under `CONVEYOR_CACHE_DIR`, default
-`~/.cache/conveyor`): a restart reads nothing again, and a file rewritten in place is read anew.
+size and modification time (a JSON file under `$XDG_CACHE_HOME/conveyor/`, by default
+`~/.cache/conveyor/`, beside the compiled kernels): a restart reads nothing again, and a file
+rewritten in place is read anew.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def engine_version() -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("CONVEYOR_CACHE_DIR", Path.home() / ".cache" / "conveyor"))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(base) / "conveyor"
 
 
 def model_files(model_path: Path) -> list[Path]:

@@ -18,7 +18,7 @@ from conveyor.engine import fingerprint as fp
 
 @pytest.fixture
 def model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     return write_tiny_model(tmp_path / "model", "llama")
 
 
