@@ -7,6 +7,9 @@
 #   docker compose run --rm migrate conveyor keys create --name nightly-eval).
 # A re-run on the same day (the pipeline was restarted, the host rebooted) attaches to that
 # day's batch instead of submitting it again: the idempotency key names the day.
+# With REUSE=1 (the default) a line that earlier nights answered under the same model
+# fingerprint, unchanged, is answered from their results (`--reuse`): only edited and new lines
+# are computed, and the summary line says how many were reused. REUSE=0 computes everything.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 
@@ -20,7 +23,12 @@ if [ "${START_STACK:-1}" = 1 ]; then
     docker compose --project-directory "$here/../.." up -d --build
 fi
 
-exec conveyor submit "$EVAL_FILE" \
+reuse=()
+if [ "${REUSE:-1}" = 1 ]; then
+    reuse=(--reuse)
+fi
+
+exec conveyor submit "$EVAL_FILE" "${reuse[@]}" \
     --model "${SERVED_MODEL:-qwen3}" \
     --idempotency-key "nightly-eval-$STAMP" \
     --wait --wait-api 600 \

@@ -455,6 +455,28 @@ def test_compose_runs_natively_then_the_nightly_example(
     errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
     assert [e["custom_id"] for e in errors] == ["bad-1"]
     assert len((out / "results.jsonl").read_text().splitlines()) == len(eval_lines)
+    # the unchanged lines came from the first night's results
+    assert f"completed ({len(eval_lines)} reused)" in failed.stderr, failed.stderr
+
+    # the third night, one task edited: only it is computed, and the summary says so
+    edited_file = tmp_path / "eval-edited.jsonl"
+    edited = [dict(x) for x in eval_lines]
+    edited[0]["body"] = dict(edited[0]["body"], max_tokens=31)
+    edited_file.write_text("".join(json.dumps(x) + "\n" for x in edited))
+    out = tmp_path / "night-3"
+    third = subprocess.run(
+        ["bash", str(NIGHTLY / "nightly.sh")],
+        env=run_env | {"STAMP": "2026-01-03", "OUT_DIR": str(out), "EVAL_FILE": str(edited_file)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert third.returncode == 0, third.stderr
+    assert f"{len(eval_lines)} completed ({len(eval_lines) - 1} reused)" in third.stderr
+    results = {json.loads(x)["custom_id"]: json.loads(x) for x in
+               (out / "results.jsonl").read_text().splitlines()}  # fmt: skip
+    assert "reused_from" not in results[edited[0]["custom_id"]]
+    assert all("reused_from" in r for c, r in results.items() if c != edited[0]["custom_id"])
 
     # the worker's metrics, where deploy/prometheus.yml scrapes them
     scraped = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
