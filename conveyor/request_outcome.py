@@ -43,7 +43,7 @@ from conveyor.wire_format.errors import (
     INVALID_SAMPLING_PARAMS,
     RequestError,
 )
-from conveyor.wire_format.reasoning import PARSERS
+from conveyor.wire_format.reasoning import reasoning_parser
 from conveyor.wire_format.request_line import ParsedRequest, peek_custom_id
 from conveyor.wire_format.result_lines import (
     build_error_line,
@@ -108,7 +108,7 @@ def prepare_request(llm: Engine, request: ParsedRequest) -> tuple[str | list[int
     filled from the model's defaults (`Engine.default_sampling`). Raises `RequestError`."""
     thinking_off = (request.chat_template_kwargs or {}).get("enable_thinking") is False
     if request.is_chat and llm.reasoning_parser is not None and not thinking_off:
-        request.reasoning = PARSERS[llm.reasoning_parser]
+        request.reasoning = reasoning_parser(llm.reasoning_parser)
     sampling = {**llm.default_sampling, **request.sampling}
     if request.tool_use is not None and not request.tool_use.forced:
         _read_calls_with(llm.tool_call_parser, request, sampling)

@@ -20,6 +20,27 @@ if TYPE_CHECKING:
 ADMISSION_POLICIES = ("cache_aware", "fcfs")
 GENERATION_CONFIGS = ("auto", "vllm")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # conveyor.wire_format.reasoning.PARSERS
+MARKERS_PREFIX = "markers:"  # --reasoning-parser markers:START,END: the model's own markers
+
+
+def reasoning_parser_name(value: str) -> str:
+    """A --reasoning-parser value: a parser's name, or `markers:START,END` naming the markers
+    a model's thinking sits between (both non-empty, neither holding a comma)."""
+    if value in REASONING_PARSERS:
+        return value
+    if value.startswith(MARKERS_PREFIX):
+        parts = value[len(MARKERS_PREFIX) :].split(",")
+        if len(parts) == 2 and all(p.strip() for p in parts):
+            return value
+        raise argparse.ArgumentTypeError(
+            f"--reasoning-parser {value!r}: give markers:START,END, e.g. "
+            "markers:<reasoning>,</reasoning>"
+        )
+    raise argparse.ArgumentTypeError(
+        f"--reasoning-parser {value!r}: choose {', '.join(REASONING_PARSERS)} or markers:START,END"
+    )
+
+
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # conveyor.wire_format.tool_calls
 
 _SIZE_UNITS = {
@@ -187,9 +208,11 @@ class EngineConfig:
     reasoning_parser: str | None = _option(
         None,
         "split a reasoning model's thinking from its answer in chat responses: qwen3 (an "
-        "output that opens a <think> block) or deepseek_r1 (the output starts inside it); the "
-        "thinking goes to reasoning_content and reasoning (default: not split)",
-        choices=REASONING_PARSERS,
+        "output that opens a <think> block), deepseek_r1 (the output starts inside it), or "
+        "markers:START,END for a model's own markers (an output that opens a block with START); "
+        "the thinking goes to reasoning_content and reasoning (default: not split)",
+        type=reasoning_parser_name,
+        metavar="NAME",
     )
     tool_call_parser: str | None = _option(
         None,
@@ -221,6 +244,11 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is not None:
+            try:
+                reasoning_parser_name(self.reasoning_parser)
+            except argparse.ArgumentTypeError as err:
+                raise ValueError(str(err)) from None
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -8,6 +8,9 @@ same in streamed deltas, and `usage.completion_tokens_details.reasoning_tokens` 
     deepseek_r1  the output starts inside the thinking (the template opened the block, as
                  DeepSeek-R1's distills and Qwen3's thinking-only models do): everything before
                  `</think>` is thinking
+    markers:START,END
+                 a model's own markers: thinking where the output opens a block with START,
+                 up to END (as qwen3 with other markers)
 
 An output cut (by `max_tokens`) inside its thinking has an empty answer. A request that turns
 thinking off (`chat_template_kwargs: {"enable_thinking": false}`) is not split.
@@ -51,6 +54,15 @@ PARSERS = {
     "qwen3": ReasoningParser("qwen3"),
     "deepseek_r1": ReasoningParser("deepseek_r1", opens_itself=False),
 }
+MARKERS_PREFIX = "markers:"
+
+
+def reasoning_parser(name: str) -> ReasoningParser:
+    """The parser a --reasoning-parser value names: one of `PARSERS`, or `markers:START,END`."""
+    if name.startswith(MARKERS_PREFIX):
+        start, end = name[len(MARKERS_PREFIX) :].split(",")
+        return ReasoningParser(name, start.strip(), end.strip())
+    return PARSERS[name]
 
 
 def _without_partial(text: str, marker: str) -> str:

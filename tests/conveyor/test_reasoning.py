@@ -117,3 +117,31 @@ def test_a_reasoning_chats_structured_output_starts_after_the_thinking():
     off = chat_request(None, response_format={"type": "json_object"},
                        chat_template_kwargs={"enable_thinking": False})  # fmt: skip
     assert prepare_request(engine, off)[1].structured_outputs.after is None
+
+
+def test_a_models_own_markers_split_its_thinking():
+    import argparse
+
+    import pytest
+
+    from conveyor.engine.config import EngineConfig, reasoning_parser_name
+    from conveyor.wire_format.reasoning import reasoning_parser
+
+    name = "markers:<|begin_of_thought|>,<|end_of_thought|>"
+    assert EngineConfig(reasoning_parser=name).reasoning_parser == name
+    own = reasoning_parser(name)
+    text = "<|begin_of_thought|>add them<|end_of_thought|>42"
+    assert own.split(text) == ("add them", "42")
+    assert own.split("42") == (None, "42")  # no block opened: all answer
+    assert own.split("<|begin_of_thought|>add th", finished=False) == ("add th", "")
+    for bad in ("markers:<a>", "markers:,</a>", "markers:<a>,</a>,<b>", "qwen4"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            reasoning_parser_name(bad)
+        with pytest.raises(ValueError, match="reasoning-parser"):
+            EngineConfig(reasoning_parser=bad)
+    engine = EchoEngine()
+    engine.reasoning_parser = name
+    request = chat_request(None, response_format={"type": "json_object"})
+    _, params = prepare_request(engine, request)
+    assert request.reasoning == own
+    assert params.structured_outputs.after == "<|end_of_thought|>"  # the answer alone
