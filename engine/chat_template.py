@@ -20,6 +20,19 @@ RESERVED_VARIABLES = frozenset({
 })  # fmt: skip
 
 
+# what a chat template writes a tool call with, and the --tool-call-parser that reads it
+TOOL_CALL_MARKERS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"),
+                     ("<|python_tag|>", "llama3_json"))  # fmt: skip
+
+
+def tool_call_parser_of(template: str | None) -> str | None:
+    """The tool-call parser a chat template's markers call for (Qwen's and Hermes'
+    `<tool_call>`, Mistral's `[TOOL_CALLS]`, Llama 3's `<|python_tag|>`), None when it names
+    none of them or more than one."""
+    found = {parser for marker, parser in TOOL_CALL_MARKERS if marker in (template or "")}
+    return found.pop() if len(found) == 1 else None
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     text: str | None  # None: the tokenizer's own

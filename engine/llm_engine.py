@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from conveyor.engine.block_manager import BlockManager
-from conveyor.engine.chat_template import ChatTemplate
+from conveyor.engine.chat_template import ChatTemplate, tool_call_parser_of
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.cpu_memory import reuse_large_allocations
 from conveyor.engine.cuda_graphs import cuda_capture
@@ -157,7 +157,8 @@ class LLMEngine:
             c.chat_template, c.default_chat_template_kwargs, path
         )
         self.reasoning_parser = c.reasoning_parser  # used by the service's chat responses
-        self.tool_call_parser = c.tool_call_parser  # likewise
+        # likewise; without the flag, the one the chat template's markers call for
+        self.tool_call_parser = c.tool_call_parser or self._template_tool_call_parser()
         # what a request that omits a sampling field gets (`get_default_sampling_params`)
         self.default_sampling: dict[str, Any] = (
             default_sampling(path) if c.generation_config == "auto" else {}
@@ -173,6 +174,15 @@ class LLMEngine:
             )
         self.model_len_limit = max_positions
         return load_model(path, hf_config, self.dtype, self.device, max_positions)
+
+    def _template_tool_call_parser(self) -> str | None:
+        template = self.chat_template.text or getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, dict):  # several named templates: the default one
+            template = template.get("default") or template.get("tool_use")
+        parser = tool_call_parser_of(template if isinstance(template, str) else None)
+        if parser is not None:
+            log.info("tool calls read with the %s parser, as the chat template writes them", parser)
+        return parser
 
     def _fingerprint(self) -> str:
         """What decides this engine's answers, hashed (`engine.fingerprint`)."""

@@ -184,3 +184,19 @@ def test_the_mistral_parser_reads_the_calls_the_model_writes(checkpoints):
     (made,) = picked["message"]["tool_calls"]
     assert made["function"]["name"] == "get_weather" and len(made["id"]) == 9
     jsonschema.validate(json.loads(made["function"]["arguments"]), WEATHER)
+
+
+def test_without_the_flag_the_templates_markers_choose_the_parser(checkpoints):
+    from conveyor.engine.chat_template import tool_call_parser_of
+
+    assert tool_call_parser_of(TOOLS_TEMPLATE) == "hermes"
+    assert tool_call_parser_of("{{ '[TOOL_CALLS]' }}{{ messages }}") == "mistral"
+    assert tool_call_parser_of("<|python_tag|>{{ messages }}") == "llama3_json"
+    assert tool_call_parser_of("{{ messages }}") is None
+    assert tool_call_parser_of("<tool_call> or [TOOL_CALLS]") is None  # which one: say it
+    found = LLM(str(checkpoints["llama"]), device="cpu", dtype="float32",
+                chat_template=TOOLS_TEMPLATE)  # fmt: skip
+    assert found.tool_call_parser == "hermes"
+    given = LLM(str(checkpoints["llama"]), device="cpu", dtype="float32",
+                chat_template=TOOLS_TEMPLATE, tool_call_parser="mistral")  # fmt: skip
+    assert given.tool_call_parser == "mistral"  # the flag wins
