@@ -74,7 +74,8 @@ def parse_error(text: str, lineno: int = 7, **kwargs: Any) -> RequestError:
 def test_unknown_url_message() -> None:
     err = parse_error(line("a", "/v1/embeddings", {"model": "m", "input": "x"}))
     assert str(err) == (
-        'line 7: "url" must be one of /v1/chat/completions, /v1/completions, got "/v1/embeddings"'
+        'line 7: "url" must be one of /v1/chat/completions, /v1/completions, /v1/responses, '
+        'got "/v1/embeddings"'
     )
     assert (err.code, err.custom_id, err.line, err.param) == ("invalid_url", "a", 7, "url")
 
