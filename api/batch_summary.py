@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 from conveyor.api import schemas
 from conveyor.api.lookups import get_batch
 from conveyor.ledger.models import ResultRow
+from conveyor.wire_format.result_diff import diff_runs
 
 # error lines read to group them: enough for any batch's picture, bounded for one of 50,000
 MAX_SCANNED = 20_000
@@ -19,6 +20,26 @@ MAX_SCANNED = 20_000
 # MAX_POINTS intervals is taken
 BUCKETS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400)
 MAX_POINTS = 60
+
+
+def batch_diff(
+    session: Session, batch_id: str, against: str, project: str, top: int, tolerance: float
+) -> schemas.BatchDiff:
+    """What `batch_id` answered otherwise than `against` (its first run), line by line
+    (`wire_format.result_diff`)."""
+    for one in (batch_id, against):
+        get_batch(session, one, project)
+    found = diff_runs(_lines(session, against), _lines(session, batch_id), tolerance)
+    return schemas.BatchDiff(
+        batch_id=batch_id, against=against, differs=found.differs, **found.as_dict(top)
+    )
+
+
+def _lines(session: Session, batch_id: str) -> list[dict]:
+    outputs = session.execute(
+        select(ResultRow.output).where(ResultRow.batch_id == batch_id).order_by(ResultRow.seq)
+    ).scalars()
+    return [json.loads(output) for output in outputs]
 
 
 def error_groups(

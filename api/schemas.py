@@ -242,6 +242,25 @@ class ErrorGroup(BaseModel):
     examples: list[ErrorExample] = Field(description="the group's first error lines")
 
 
+class BatchDiff(BaseModel):
+    """What changed from one batch to another (`conveyor diff`)."""
+
+    object: Literal["batch.diff"] = "batch.diff"
+    batch_id: str
+    against: str = Field(description="the batch compared with: the first run")
+    differs: bool
+    same: int = Field(description="lines (by custom_id) both runs answered alike")
+    changed: list[dict[str, Any]] = Field(
+        description="lines answered otherwise: custom_id, and what each run answered"
+    )
+    new: list[str] = Field(description="custom_ids only this batch has")
+    gone: list[str] = Field(description="custom_ids only the other batch has")
+    score_changes: list[dict[str, Any]] = Field(
+        description="lines with logprobs whose summed log-probability moved, largest first"
+    )
+    score_changes_total: int
+
+
 class ErrorGroupList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ErrorGroup] = Field(description="most frequent code first")

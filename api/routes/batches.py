@@ -92,6 +92,25 @@ async def error_groups(
     return await read_in_session(state, batch_summary.error_groups, batch_id, project, examples)
 
 
+@router.get("/{batch_id}/diff", response_model=schemas.BatchDiff)
+async def diff(
+    batch_id: str,
+    state: StateDep,
+    project: ProjectDep,
+    against: Annotated[IdText, Query(description="the batch to compare with (the first run)")],
+    top: Annotated[int, Query(ge=0, le=1000, description="score changes listed")] = 10,
+    tolerance: Annotated[
+        float, Query(ge=0, description="a score that moved by at most this much is the same")
+    ] = 0.0,
+) -> schemas.BatchDiff:
+    """Extension: what this batch answered otherwise than `against`, lines matched by
+    `custom_id` (what `conveyor diff` prints): changed, new and gone lines, and the largest
+    changes in the summed log-probability of lines with logprobs."""
+    return await read_in_session(
+        state, batch_summary.batch_diff, batch_id, against, project, top, tolerance
+    )
+
+
 @router.get("/{batch_id}/throughput", response_model=schemas.Throughput)
 async def throughput(batch_id: str, state: StateDep, project: ProjectDep) -> schemas.Throughput:
     """Extension: the batch's results and output tokens per interval, from its first result to

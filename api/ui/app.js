@@ -28,8 +28,13 @@ function route() {
     return { view: "workers-view", nav: "nav-workers", refresh: refreshWorkers };
   }
   if (page === "batches" && rest.length && rest[0]) {
-    const batchId = decoded(rest.join("/"));
-    return { view: "detail-view", nav: "nav-batches", refresh: () => refreshDetail(batchId) };
+    // #/batches/ID, or #/batches/ID/since/OTHER: what changed since the batch OTHER
+    const since = rest.length > 2 && rest[1] === "since";
+    const batchId = decoded(since ? rest[0] : rest.join("/"));
+    const against = since ? decoded(rest.slice(2).join("/")) : null;
+    return {
+      view: "detail-view", nav: "nav-batches", refresh: () => refreshDetail(batchId, against),
+    };
   }
   return { view: "batches-view", nav: "nav-batches", refresh: refreshBatches };
 }

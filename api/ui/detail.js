@@ -14,9 +14,10 @@ import {
 let cache = null;
 let cancelling = null; // the batch the confirmation dialog is about
 
-async function summaries(batch) {
-  if (!cache || cache.id !== batch.id) {
-    cache = { id: batch.id, done: -1, failed: -1, errors: null, throughput: null };
+async function summaries(batch, against) {
+  if (!cache || cache.id !== batch.id || cache.against !== against) {
+    cache = { id: batch.id, against, done: -1, failed: -1, errors: null, throughput: null,
+      diff: null };
   }
   const path = `v1/batches/${id(batch.id)}`;
   const jobs = [];
@@ -25,6 +26,9 @@ async function summaries(batch) {
   }
   if (batch.request_counts.failed !== cache.failed) {
     jobs.push(get(`${path}/error_groups`, { examples: 3 }).then((groups) => (cache.errors = groups)));
+  }
+  if (against && done(batch) !== cache.done) {
+    jobs.push(get(`${path}/diff`, { against }).then((found) => (cache.diff = found)));
   }
   await Promise.all(jobs);
   cache.done = done(batch);
@@ -199,6 +203,39 @@ function files(batch) {
   ];
 }
 
+const SHOWN_CHANGES = 20;
+
+// what changed since another batch (#/batches/ID/since/OTHER), and the form that asks for it
+function comparison(batch) {
+  const found = cache.diff;
+  const parts = [];
+  if (found) {
+    parts.push(el("p", { class: "diff-summary", text:
+      `${fmt.count(found.same)} the same, ${fmt.count(found.changed.length)} changed, ` +
+      `${fmt.count(found.new.length)} new, ${fmt.count(found.gone.length)} gone; ` +
+      `${fmt.count(found.score_changes_total)} scores moved (since ${found.against})` }));
+    const changed = found.changed.slice(0, SHOWN_CHANGES);
+    if (changed.length) {
+      parts.push(el("ul", { class: "examples diff-changed" },
+        ...changed.map((c) => el("li", {}, el("span", { class: "mono", text: c.custom_id })))));
+    }
+    for (const s of found.score_changes) {
+      parts.push(el("p", { class: "mono", text:
+        `${s.custom_id}: ${s.before.toFixed(4)} → ${s.after.toFixed(4)}` }));
+    }
+  }
+  const input = el("input", { id: "compare-input", class: "mono", placeholder: "batch_…",
+    "aria-label": "Batch to compare with" });
+  const go = () => {
+    const other = input.value.trim();
+    if (other) location.hash = `#/batches/${id(batch.id)}/since/${id(other)}`;
+  };
+  input.addEventListener("keydown", (event) => { if (event.key === "Enter") go(); });
+  parts.push(el("div", { class: "actions" }, input,
+    el("button", { type: "button", id: "compare-button", text: "Compare", onclick: go })));
+  return parts;
+}
+
 function metadata(batch) {
   const entries = Object.entries(batch.metadata || {});
   if (!entries.length) return el("p", { class: "empty", text: "None." });
@@ -219,8 +256,16 @@ function render(batch) {
     ),
     card("Errors", ...errors(batch)),
     el("div", { class: "columns" }, card("Files", ...files(batch)), card("Metadata", metadata(batch))),
+    card("Changes since another batch", ...comparison(batch)),
   ];
+  // what is being typed into the compare field outlives the refresh
+  const typing = $("compare-input");
+  const kept = typing ? { value: typing.value, focused: document.activeElement === typing } : null;
   $("detail-view").replaceChildren(...parts.filter(Boolean));
+  if (kept) {
+    $("compare-input").value = kept.value;
+    if (kept.focused) $("compare-input").focus();
+  }
 }
 
 function renderMissing(batchId) {
@@ -232,7 +277,7 @@ function renderMissing(batchId) {
 }
 
 // fetches the batch and what is new in its summaries; returns what puts it on the page
-export async function refreshDetail(batchId) {
+export async function refreshDetail(batchId, against = null) {
   let batch;
   try {
     batch = await get(`v1/batches/${id(batchId)}`);
@@ -244,7 +289,7 @@ export async function refreshDetail(batchId) {
     };
   }
   record(batch);
-  await summaries(batch);
+  await summaries(batch, against);
   return () => render(batch);
 }
 

@@ -232,3 +232,42 @@ def test_models_and_workers_show_the_fingerprints_of_what_runs(ledger: Ledger):
     assert models["llama"].fingerprints == ["fp-a", "fp-b"] and models["llama"].workers == 3
     assert models["old"].fingerprints == []
     assert workers["w1"].fingerprint == "fp-b" and workers["w4"].fingerprint is None
+
+
+def test_a_batch_diff_names_what_changed_since_another(ledger: Ledger):
+    """`GET /v1/batches/{id}/diff?against=`: lines by custom_id, in the project only."""
+    from conveyor.api.batch_summary import batch_diff
+
+    def answer(batch_id: str, answers: dict[str, str]) -> None:
+        for i, (custom_id, text) in enumerate(answers.items()):
+            request = RequestRow(batch_id=batch_id, line=i + 1, custom_id=custom_id, raw="{}")
+            session.add(request)
+            session.flush()
+            body = {
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "stop",
+                        "message": {"role": "assistant", "content": text},
+                    }
+                ]
+            }
+            line = {"id": f"{batch_id}-{i}", "custom_id": custom_id, "error": None,
+                    "response": {"status_code": 200, "body": body}}  # fmt: skip
+            session.add(ResultRow(request_id=request.id, batch_id=batch_id, line_id=line["id"],
+                                  ok=True, output=json.dumps(line), created_at=1.0))  # fmt: skip
+
+    with ledger.session() as session:
+        add_batch(session, "b1")
+        add_batch(session, "b2")
+        add_batch(session, "theirs", project="other")
+        answer("b1", {"a": "yes", "b": "no", "c": "maybe"})
+        answer("b2", {"a": "yes", "b": "NO", "d": "new"})
+    with ledger.reads() as session:
+        found = batch_diff(session, "b2", "b1", "default", top=10, tolerance=0.0)
+        assert found.differs and found.same == 1
+        assert [c["custom_id"] for c in found.changed] == ["b"]
+        assert (found.new, found.gone) == (["d"], ["c"])
+        assert not batch_diff(session, "b1", "b1", "default", top=10, tolerance=0.0).differs
+        with pytest.raises(APIError):  # another project's batch is not found
+            batch_diff(session, "b2", "theirs", "default", top=10, tolerance=0.0)

@@ -180,6 +180,11 @@ def test_embedded_serve_and_submit(embedded: tuple[str, dict[str, str]], tmp_pat
     assert [c["custom_id"] for c in report["changed"]] == [lines[0]["custom_id"]]
     assert report["new"] == ["edit-0", "edit-1"] and report["gone"] == [lines[15]["custom_id"]]
     assert report["same"] == 14
+    # the same through the API (the web page's and a pipeline's way)
+    other_id = other.stdout.split()[0]
+    served = httpx.get(f"{url}/v1/batches/{other_id}/diff", params={"against": batch_id}).json()
+    assert served["differs"] and served["same"] == 14 and served["new"] == ["edit-0", "edit-1"]
+    assert served["changed"] == report["changed"]
 
     # a line that fails alone lands in --errors; with --max-failed 1 that is still success
     bad = [*lines[:3], {**lines[3], "body": {**lines[3]["body"], "temperature": -1}}]

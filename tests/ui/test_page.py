@@ -363,3 +363,23 @@ def test_with_auth_a_key_sees_its_project_only(
         assert httpx.get(f"{api}/v1/batches/{batch_id}{route}").status_code == 401
     for route in ("/v1/workers", "/v1/queues"):
         assert httpx.get(f"{api}{route}").status_code == 401
+
+
+def test_a_batch_shows_what_changed_since_another(service: Service, tab: Tab, tmp_path: Path):
+    api, page = service.open_api, tab.page
+    lines = batch_lines(3, model="echo", prefix="cmp")
+    first = create_batch(api, tmp_path, "cmp-1", lines)
+    body = lines[2]["body"]
+    question = [*body["messages"][:-1], {"role": "user", "content": "another question"}]
+    edited = [*lines[:2], {**lines[2], "body": {**body, "messages": question}}]
+    second = create_batch(api, tmp_path, "cmp-2", [*edited, *batch_lines(1, model="echo")])
+    for batch_id in (first, second):
+        wait_for(api, batch_id, timeout=60)
+    page.goto(f"{api}/ui/#/batches/{second}")
+    page.fill("#compare-input", first)
+    page.click("#compare-button")
+    expect(page).to_have_url(f"{api}/ui/#/batches/{second}/since/{first}")
+    summary = page.locator(".diff-summary")
+    expect(summary).to_contain_text("2 the same, 1 changed, 1 new, 0 gone")
+    expect(page.locator(".diff-changed li")).to_have_text(["cmp-2"])
+    assert tab.console_errors == []
