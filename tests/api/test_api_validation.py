@@ -498,10 +498,13 @@ def test_a_field_batch_creation_does_not_know_is_refused_by_name(api: str):
     """As the online endpoints refuse unknown fields: `extra_body={"reuse": "bogus"}` must not
     be dropped in silence."""
     file_id = upload(api, [chat("a")])
-    for field in ("reuse", "output_expires_after", "endpiont"):
+    for field in ("output_expires_after", "endpiont"):
         r = create_batch(api, file_id, **{field: "bogus"})
         error = assert_error(r, 400, "invalid_request")
         assert error["param"] == field and "not permitted" in error["message"], error
+    # a reuse mode other than the documented one names the one there is
+    error = assert_error(create_batch(api, file_id, reuse="bogus"), 400, "invalid_request")
+    assert error["param"] == "reuse" and "'exact'" in error["message"], error
 
 
 def test_completion_window_too_long_for_the_ledger(api: str):
