@@ -424,14 +424,18 @@ def test_compose_runs_natively_then_the_nightly_example(
     eval_lines = [json.loads(x) for x in (NIGHTLY / "eval.jsonl").read_text().splitlines()]
     assert "docker compose" in (NIGHTLY / "nightly.sh").read_text()  # what START_STACK=0 skips
 
+    def night(stamp: str, out: Path, **env: str) -> subprocess.CompletedProcess:
+        """One run of the nightly step, writing under `out`."""
+        return subprocess.run(
+            ["bash", str(NIGHTLY / "nightly.sh")],
+            env=run_env | {"STAMP": stamp, "OUT_DIR": str(out), **env},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
     out = tmp_path / "night-1"
-    good = subprocess.run(
-        ["bash", str(NIGHTLY / "nightly.sh")],
-        env=run_env | {"STAMP": "2026-01-01", "OUT_DIR": str(out)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    good = night("2026-01-01", out)
     assert good.returncode == 0, good.stderr
     results = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert sorted(r["custom_id"] for r in results) == sorted(x["custom_id"] for x in eval_lines)
@@ -444,13 +448,7 @@ def test_compose_runs_natively_then_the_nightly_example(
     bad["body"] = dict(bad["body"], temperature=-1)
     bad_file.write_text("".join(json.dumps(x) + "\n" for x in [*eval_lines, bad]))
     out = tmp_path / "night-2"
-    failed = subprocess.run(
-        ["bash", str(NIGHTLY / "nightly.sh")],
-        env=run_env | {"STAMP": "2026-01-02", "OUT_DIR": str(out), "EVAL_FILE": str(bad_file)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    failed = night("2026-01-02", out, EVAL_FILE=str(bad_file))
     assert failed.returncode == EXIT_TOO_MANY_FAILED, failed.stderr
     errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
     assert [e["custom_id"] for e in errors] == ["bad-1"]
@@ -464,13 +462,7 @@ def test_compose_runs_natively_then_the_nightly_example(
     edited[0]["body"] = dict(edited[0]["body"], max_tokens=31)
     edited_file.write_text("".join(json.dumps(x) + "\n" for x in edited))
     out = tmp_path / "night-3"
-    third = subprocess.run(
-        ["bash", str(NIGHTLY / "nightly.sh")],
-        env=run_env | {"STAMP": "2026-01-03", "OUT_DIR": str(out), "EVAL_FILE": str(edited_file)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    third = night("2026-01-03", out, EVAL_FILE=str(edited_file))
     assert third.returncode == 0, third.stderr
     assert f"{len(eval_lines)} completed ({len(eval_lines) - 1} reused)" in third.stderr
     results = {json.loads(x)["custom_id"]: json.loads(x) for x in
