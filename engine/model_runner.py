@@ -209,7 +209,7 @@ class StepLayout:
         num_groups: int = 1,
     ) -> StepLayout:
         step, bs = cls(), block_size
-        tables = step.tables[0]
+        tables, slots = step.tables[0], step.slots[0]
         # the other groups: their own tables and slots, the lengths of the first group's
         step.tables += [
             BatchTables([], tables.decode_lens, [], tables.prefill_lens, tables.query_start)
@@ -220,6 +220,7 @@ class StepLayout:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
             row = len(step.input_ids)
+            table = seq.tables[0]
             if long_rope is not None:
                 step.positions.extend(long_rope.rows(start, n, seq.rope_long))
             elif n == 1:
@@ -228,26 +229,32 @@ class StepLayout:
                 step.positions.extend(range(start, start + n))
             if n == 1:  # a decode: the common case, without slices and generators
                 step.input_ids.append(seq.token_ids[start])
-                for slots, table in zip(step.slots, seq.tables, strict=True):
-                    slots.append(table[start // bs] * bs + start % bs)
+                slots.append(table[start // bs] * bs + start % bs)
             else:
                 step.input_ids.extend(seq.token_ids[start : start + n])
-                for slots, table in zip(step.slots, seq.tables, strict=True):
-                    slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if n == 1 and not tables.prefill_lens:
-                for group_tables, table in zip(step.tables, seq.tables, strict=True):
-                    group_tables.decode_tables.append(table)
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            decode = n == 1 and not tables.prefill_lens
+            if decode:
+                tables.decode_tables.append(table)
                 tables.decode_lens.append(start + 1)
             else:
-                for group_tables, table in zip(step.tables, seq.tables, strict=True):
-                    group_tables.prefill_tables.append(table)
+                tables.prefill_tables.append(table)
                 tables.prefill_lens.append(start + n)
                 tables.query_start.append(tables.query_start[-1] + n)
+            if num_groups > 1:
+                step._other_groups(seq, start, n, decode, bs)
             if item.completes:
                 step.sample_rows.append(row + n - 1)
             if seq.seq_id in prompt_logprob_seqs:
                 step._prompt_rows(seq, start, n, row, bs)
         return step
+
+    def _other_groups(self, seq: Sequence, start: int, n: int, decode: bool, bs: int) -> None:
+        """The slots and tables of `seq`'s KV groups past the first (a hybrid layout)."""
+        groups = zip(self.slots[1:], self.tables[1:], seq.tables[1:], strict=True)
+        for slots, tables, table in groups:
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            (tables.decode_tables if decode else tables.prefill_tables).append(table)
 
     def output_rows(self) -> list[int] | None:
         """The rows whose final hidden states are used (sampled, or giving prompt logprobs),
