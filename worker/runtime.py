@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import json
 import logging
 import os
 import signal
@@ -623,10 +624,4 @@ def run_record(engine: Any) -> dict[str, Any]:
 
 def json_safe(value: Any) -> Any:
     """`value` with what JSON cannot hold (a torch dtype, a path) as its text."""
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    return str(value)
+    return json.loads(json.dumps(value, default=str))
