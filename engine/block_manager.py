@@ -75,13 +75,10 @@ class BlockManager:
         num_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = True,
-        window: int | None = None,
-        *,
-        windows: tuple[int | None, ...] | None = None,
+        windows: tuple[int | None, ...] = (None,),
     ):
-        """`windows`: the sliding window of each KV group's layers (None: full attention);
-        without it, one group under `window`."""
-        self.windows = tuple(windows) if windows is not None else (window,)
+        """`windows`: the sliding window of each KV group's layers (None: full attention)."""
+        self.windows = tuple(windows)
         self.windowed = any(w is not None for w in self.windows)
         reserved = int(self.windowed)  # NULL_BLOCK
         if num_blocks < 1 + reserved:
@@ -99,11 +96,6 @@ class BlockManager:
             self.blocks[NULL_BLOCK].ref_count = 1  # held for good
         self.cached: dict[bytes, int] = {}  # key -> block id, for blocks whose KV is written
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) the runner copies next step
-
-    @property
-    def window(self) -> int | None:
-        """The window of a single group's layers (None: full attention, or several groups)."""
-        return self.windows[0] if self.num_groups == 1 else None
 
     # ---- accounting -------------------------------------------------------------------------
     @property
