@@ -47,7 +47,6 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.layout = layout or KVLayout.single(model.layer_windows())
-        model.use_kv_groups(list(self.layout.layer_group))
         # shared prefixes read once per step for all their sequences (the CPU backends)
         self.cascade = getattr(backend, "cascade", False) and device.type == "cpu"
         shape = (num_blocks, model.num_kv_heads, block_size, model.head_dim)
@@ -65,7 +64,15 @@ class ModelRunner:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMeta
     ) -> torch.Tensor:
         """The final hidden states of every row of a decode step, eagerly."""
-        return self.model(input_ids, positions, self.kv_caches, meta, self.backend, None)
+        return self.model(
+            input_ids, positions, self.kv_caches, self._per_layer(meta), self.backend, None
+        )
+
+    def _per_layer(self, meta: StepMeta) -> StepMeta:
+        """The model's metadata: the step's, or, for one per KV group, each layer's group's."""
+        if not isinstance(meta, list):
+            return meta
+        return [meta[group] for group in self.layout.layer_group]
 
     @torch.inference_mode()
     def record_graphs(self, max_num_seqs: int, max_model_len: int, capture: Capture) -> str | None:
@@ -168,7 +175,7 @@ class ModelRunner:
                 fetch(input_ids),
                 fetch(positions),
                 self.kv_caches,
-                meta,
+                self._per_layer(meta),
                 self.backend,
                 None if kept_rows is None else fetch(kept_rows),
             )

@@ -226,12 +226,11 @@ class DecoderModel(nn.Module):
         )
         for layer, window in zip(self.layers, layer_windows(config), strict=True):
             layer.self_attn.window = window
-        self.kv_group = [0] * config.num_hidden_layers  # each layer's KV group (`kv_layout`)
         self.norm = family.norm_class(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta, backend, keep_rows=None):
-        """`meta`: the step's attention metadata, or one per KV group (`kv_layout`)."""
-        metas = [meta[g] for g in self.kv_group] if isinstance(meta, list) else None
+        """`meta`: the step's attention metadata, or a list of one per layer (a hybrid KV
+        layout, `kv_layout`, gives each layer its group's)."""
         x, residual = self.embed_tokens(input_ids), None
         if self.embed_scale is not None:
             x = x * self.embed_scale.to(x.dtype)
@@ -241,7 +240,7 @@ class DecoderModel(nn.Module):
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             keep = keep_rows if i == last else None
             layer_rope = local if self.local_rope[i] else rope
-            layer_meta = meta if metas is None else metas[i]
+            layer_meta = meta[i] if isinstance(meta, list) else meta
             x, residual = layer(layer_rope, x, residual, kv_cache, layer_meta, backend, keep)
         return self.norm(x, residual)[0]
 
@@ -278,10 +277,6 @@ class DecoderForCausalLM(nn.Module):
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window, None where it attends to the whole context."""
         return [layer.self_attn.window for layer in self.model.layers]
-
-    def use_kv_groups(self, layer_group: list[int]) -> None:
-        """Read each layer's attention metadata from its KV group's (`kv_layout`)."""
-        self.model.kv_group = list(layer_group)
 
     @classmethod
     def embed_scale(cls, config) -> float | None:
