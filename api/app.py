@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings | None = None, *, reconcile: bool = True) -> FastAPI:
-    settings = settings or Settings.from_env()
+    settings = settings or Settings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

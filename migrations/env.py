@@ -9,7 +9,7 @@ from conveyor.ledger.models import Base
 from conveyor.settings import Settings
 
 config = context.config
-url = config.get_main_option("sqlalchemy.url") or Settings.from_env().db_url
+url = config.get_main_option("sqlalchemy.url") or Settings().db_url
 
 
 def run_offline() -> None:

@@ -21,7 +21,7 @@ from conveyor.served_names import served_model_names
 def _settings():
     from conveyor.settings import Settings
 
-    return Settings.from_env()
+    return Settings()
 
 
 def _upgrade_embedded_ledger(settings: Any) -> None:

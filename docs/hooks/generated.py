@@ -55,18 +55,16 @@ def _render(kind: str, arg: str) -> str:
 
 def settings_table(group: str) -> str:
     """The settings of `group`, each with its variable, default and meaning, as declared."""
-    from dataclasses import MISSING, fields
-
     from conveyor.settings import Settings
 
     rows = ["| setting (environment) | default | meaning |", "|---|---|---|"]
-    for f in fields(Settings):
-        meta = f.metadata
+    for name, f in Settings.model_fields.items():
+        meta = f.json_schema_extra
         if meta["group"] != group:
             continue
-        default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+        default = f.get_default(call_default_factory=True)
         shown = meta["shown"] or ("unset" if default is None else f"{default:g}")
-        rows.append(f"| `{meta['env']}` | {shown} | {_cell(meta['doc'])} |")
+        rows.append(f"| `{Settings.variable(name)}` | {shown} | {_cell(f.description)} |")
     if len(rows) == 2:
         raise ValueError(f"no settings in group {group!r}")
     return "\n".join(rows)

@@ -22,6 +22,7 @@ import yaml
 from conveyor.cli import build_parser
 from conveyor.cli.common import EXIT_TOO_MANY_FAILED
 from conveyor.env_args import env_name, option_actions
+from conveyor.settings import Settings
 from conveyor.testing import Stack, create_key, free_port
 from deploy.api_requirements import ENGINE_PACKAGES, api_requirements
 from docs.hooks import generated as docs_pages
@@ -183,11 +184,11 @@ def test_the_gpu_image_can_build_triton_and_runs_the_tested_torch() -> None:
 
 
 def code_env_reads() -> set[str]:
-    """Environment variables our code reads by name."""
+    """Environment variables our code reads by name: its settings' and those read directly."""
     pattern = re.compile(
-        r"(?:os\.environ\.get\(|os\.getenv\(|os\.environ\[|setting\(\s*[^,]+,)\s*\"([A-Z_][A-Z0-9_]*)\""
+        r"(?:os\.environ\.get\(|os\.getenv\(|os\.environ\[)\s*\"([A-Z_][A-Z0-9_]*)\""
     )
-    names: set[str] = set()
+    names = {Settings.variable(name) for name in Settings.model_fields}
     for d in SOURCE_DIRS:
         for path in (ROOT / d).rglob("*.py"):
             names |= set(pattern.findall(path.read_text()))
