@@ -16,7 +16,6 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conveyor.demo_model import build_tokenizer
 from conveyor.engine.detokenizer import INCOMPLETE, TextDecoding
 from conveyor.engine.output_text import OutputText
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
@@ -24,57 +23,7 @@ from conveyor.engine.sampling_params import SamplingParams
 from conveyor.wire_format.request_line import parse_request_line
 from conveyor.wire_format.streaming import ChunkStream
 from conveyor.wire_format.token_text import TokenDecoder
-
-SAMPLE = "héllo wörld, €uro 日本語 🙂 it 's n't a . b ? ' c ! 10 + 2 = 12. The fox's den."
-TEXTS = [SAMPLE, "Paris is the capital of France. Ça va? Größe 東京 ✓ ok", "ab " * 20]
-
-
-def _sentencepiece_like() -> Any:
-    """Llama 2's layout: "▁" for spaces, byte fallback, the first space stripped."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    trained = Tokenizer(models.BPE())
-    trained.normalizer = normalizers.Replace(" ", "▁")
-    ascii_texts = [text.encode("ascii", "ignore").decode() for text in TEXTS]  # bytes: the rest
-    trainer = trainers.BpeTrainer(vocab_size=200, show_progress=False)
-    trained.train_from_iterator(ascii_texts * 4, trainer)
-    model = json.loads(trained.to_str())["model"]
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
-    for token in model["vocab"]:
-        vocab.setdefault(token, len(vocab))
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence(
-        [
-            decoders.Replace("▁", " "),
-            decoders.ByteFallback(),
-            decoders.Fuse(),
-            decoders.Strip(" ", 1, 0),
-        ]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
-    fast.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
-    return fast
-
-
-def _wordpiece_cleaned_up() -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.decoder = decoders.WordPiece(cleanup=False)
-    special = ["[UNK]", "[CLS]", "[SEP]"]
-    trainer = trainers.WordPieceTrainer(vocab_size=300, special_tokens=special, show_progress=False)
-    tok.train_from_iterator(TEXTS * 4, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", sep_token="[SEP]", cls_token="[CLS]",
-        clean_up_tokenization_spaces=True,
-    )  # fmt: skip
+from tests.tiny_tokenizers import TEXTS, tokenizer
 
 
 class PythonOnly:
@@ -87,15 +36,6 @@ class PythonOnly:
         if name == "backend_tokenizer":
             raise AttributeError(name)
         return getattr(self._tokenizer, name)
-
-
-@cache
-def tokenizer(name: str) -> Any:
-    return {
-        "byte_level": build_tokenizer,
-        "sentencepiece": _sentencepiece_like,
-        "wordpiece": _wordpiece_cleaned_up,
-    }[name]()
 
 
 @cache
