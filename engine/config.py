@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -43,37 +42,23 @@ def reasoning_parser_name(value: str) -> str:
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # conveyor.wire_format.tool_calls
 
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "ki": 1024,
-    "kib": 1024,
-    "mi": 1024**2,
-    "mib": 1024**2,
-    "gi": 1024**3,
-    "gib": 1024**3,
-    "ti": 1024**4,
-    "tib": 1024**4,
-}
-
 
 # The readers below raise argparse's error type: a command line shows its message as it is.
 def parse_size(text: str) -> int:
-    """Bytes from `4GiB`, `512MiB`, `2G`, `1e9` or a plain integer."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", text.lower())
-    if not match or match.group(2) not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(
-            f"invalid size {text!r}; use bytes or a unit such as 512MiB, 4GiB, 2GB"
-        )
-    value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+    """Bytes from `4GiB`, `512MiB`, `2G`, `1e9` or a plain integer. pydantic's `ByteSize` reads
+    the units (`GB` is 10^9 bytes, `GiB` 2^30); a plain number is read here, as `ByteSize`
+    takes no exponent (`1e9`)."""
+    from pydantic import ByteSize, TypeAdapter, ValidationError  # not imported for `--help`
+
+    try:
+        value = int(float(text))
+    except (ValueError, OverflowError):
+        try:
+            value = TypeAdapter(ByteSize).validate_python(text)
+        except ValidationError:
+            raise argparse.ArgumentTypeError(
+                f"invalid size {text!r}; use bytes or a unit such as 512MiB, 4GiB, 2GB"
+            ) from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
     return value

@@ -3,6 +3,7 @@ engine modules that load without torch."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -43,6 +44,24 @@ def test_help_states_the_defaults() -> None:
                 continue
             shown = f"{default:g}" if isinstance(default, float) else str(default)
             assert stated.group(1) == shown, f.name
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("4GiB", 4 * 2**30), ("512MiB", 512 * 2**20), ("1KiB", 1024), ("1.5GiB", 3 * 2**29),
+        ("2G", 2 * 10**9), ("2GB", 2 * 10**9), ("512mb", 512 * 10**6),  # G and GB are 10^9
+        (" 4 gib ", 4 * 2**30), ("1e9", 10**9), ("123", 123), ("2.5", 2),
+    ],
+)  # fmt: skip
+def test_a_size_reads_as_the_flags_say(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["abc", "4 parsecs", "GiB", "0", "0GiB", "-1", "inf", "nan"])
+def test_a_size_that_is_none_is_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(text))):
+        parse_size(text)
 
 
 def test_engine_takes_a_config_or_options(checkpoints) -> None:
