@@ -88,7 +88,8 @@ def positive_int(text: str) -> int:
 def _option(default: Any, help: str, *, cli: bool = True, **flag: Any) -> Any:
     """A field whose metadata says what it means (`help`), whether it has a command-line flag
     (`cli`) and how that flag reads its value: argparse's `type`, `metavar` or `choices`, or
-    `off_switch`, the name of a flag that turns a true-by-default option off."""
+    `off_switch`, the name of a flag that turns a true-by-default option off (a false-by-default
+    one is `action="store_true"`)."""
     return field(default=default, metadata={"help": help, "cli": cli, **flag})
 
 
@@ -145,6 +146,13 @@ class EngineConfig:
         True,
         "run every step eagerly, without the CUDA graphs a GPU worker records for decode steps",
         off_switch="--enforce-eager",
+    )
+    batch_invariant: bool = _option(
+        False,
+        "batch-invariant mode: a request's tokens and logprobs do not depend on what else runs "
+        "beside it, bit for bit (products in tiles of fixed rows, no cascade attention; "
+        "slower, see the docs)",
+        action="store_true",
     )
     seed: int = _option(0, "engine random seed (default 0)", type=int)
     admission_policy: str = _option(

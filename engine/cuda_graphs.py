@@ -84,13 +84,21 @@ class StaticInputs:
         return cls(zeros(max_batch), zeros(max_batch), [zeros(max_batch).fill_(-1) for _ in groups],
                    [zeros(max_batch, max_blocks) for _ in groups], zeros(max_batch))  # fmt: skip
 
-    def metadata(self, batch: int, max_context_len: int) -> StepMeta:
+    def metadata(
+        self, batch: int, max_context_len: int, decode_splits: int | None = None
+    ) -> StepMeta:
         """A decode step of the first `batch` rows, its split count planned for
-        `max_context_len`: one metadata per KV group (a single one for one group)."""
-        metas = [self._group_metadata(g, batch, max_context_len) for g in range(len(self.slots))]
+        `max_context_len` unless `decode_splits` fixes it: one metadata per KV group (a single
+        one for one group)."""
+        metas = [
+            self._group_metadata(g, batch, max_context_len, decode_splits)
+            for g in range(len(self.slots))
+        ]
         return metas[0] if len(metas) == 1 else metas
 
-    def _group_metadata(self, group: int, batch: int, max_context_len: int) -> AttentionMetadata:
+    def _group_metadata(
+        self, group: int, batch: int, max_context_len: int, decode_splits: int | None
+    ) -> AttentionMetadata:
         device = self.input_ids.device
         return AttentionMetadata(
             slot_mapping=self.slots[group][:batch],
@@ -103,6 +111,7 @@ class StaticInputs:
             prefill_query_start_tensor=torch.zeros(1, dtype=torch.long, device=device),
             prefill_context_lens_tensor=torch.zeros(0, dtype=torch.long, device=device),
             decode_max_context_len=max_context_len,
+            decode_splits=decode_splits,
         )
 
     def fill(
@@ -150,11 +159,12 @@ class DecodeGraphs:
         device: torch.device,
         capture: Capture,
         num_groups: int = 1,
+        decode_splits: int | None = None,
     ) -> DecodeGraphs:
         static = StaticInputs.empty(max(buckets), max_blocks, device, num_groups)
         replays = {}
         for bucket in sorted(buckets, reverse=True):  # the largest first: the pool fits all
-            meta = static.metadata(bucket, max_context_len)
+            meta = static.metadata(bucket, max_context_len, decode_splits)
             ids, positions = static.input_ids[:bucket], static.positions[:bucket]
             replays[bucket] = capture(
                 lambda ids=ids, pos=positions, meta=meta: forward(ids, pos, meta)

@@ -97,6 +97,8 @@ class LLMEngine:
         backend = get_attention_backend(config.attention_backend, self.device)
         self.plan = self._plan(net, backend)
         net.use_elementwise(self.plan.elementwise)
+        if config.batch_invariant:
+            net.use_batch_invariance()
         self.fingerprint = self._fingerprint()
         self.kv_layout = KVLayout.of(net.layer_windows(), config.hybrid_kv_cache)
         num_kv_blocks = self._num_kv_blocks(net, backend)
@@ -106,23 +108,13 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(num_kv_blocks)
         self.block_size = config.block_size
 
-        windows = self.kv_layout.windows
         # one more block where windowed sequences give blocks back: NULL_BLOCK, never handed out
-        pool_blocks = num_kv_blocks + any(w is not None for w in windows)
-        self.block_manager = BlockManager(
-            pool_blocks, config.block_size, config.enable_prefix_caching, windows=windows
-        )
-        self.scheduler = Scheduler(
-            self.block_manager,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            cache_aware=config.admission_policy == "cache_aware",
-            lpm_max_waiting=config.lpm_max_waiting,
-            max_waiting_time=config.max_waiting_time,
-        )
+        pool_blocks = num_kv_blocks + any(w is not None for w in self.kv_layout.windows)
+        self.scheduler = self._make_scheduler(pool_blocks)
         self.runner = ModelRunner(
-            net, backend, pool_blocks, config.block_size, self.device, self.dtype, self.kv_layout
-        )
+            net, backend, pool_blocks, config.block_size, self.device, self.dtype, self.kv_layout,
+            batch_invariant=config.batch_invariant,
+        )  # fmt: skip
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
@@ -142,6 +134,22 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.generation_tokens = 0
         self.num_steps = 0
+
+    def _make_scheduler(self, pool_blocks: int) -> Scheduler:
+        """The block manager over `pool_blocks` (`self.block_manager`) and the scheduler."""
+        config = self.engine_config
+        self.block_manager = BlockManager(
+            pool_blocks, config.block_size, config.enable_prefix_caching,
+            windows=self.kv_layout.windows,
+        )  # fmt: skip
+        return Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            cache_aware=config.admission_policy == "cache_aware",
+            lpm_max_waiting=config.lpm_max_waiting,
+            max_waiting_time=config.max_waiting_time,
+        )
 
     def _load_model(self, model: str) -> DecoderForCausalLM:
         """Load the model's config, tokenizer and weights, once max_model_len fits the model."""
@@ -192,7 +200,7 @@ class LLMEngine:
             "dtype": str(self.dtype),
             "device": self.device.type,
             "plan": self.plan.as_dict(),
-            "batch_invariant": False,
+            "batch_invariant": c.batch_invariant,
             "generation_config": c.generation_config,
             "chat_template_kwargs": self.chat_template.defaults,
         }

@@ -39,6 +39,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         layout: KVLayout | None = None,
+        batch_invariant: bool = False,
     ):
         self.model = model
         self.backend = backend
@@ -47,8 +48,13 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.layout = layout or KVLayout.single(model.layer_windows())
-        # shared prefixes read once per step for all their sequences (the CPU backends)
+        # shared prefixes read once per step for all their sequences (the CPU backends); not in
+        # batch-invariant mode, where a prefix's sums would depend on who shares it
         self.cascade = getattr(backend, "cascade", False) and device.type == "cpu"
+        self.cascade = self.cascade and not batch_invariant
+        self.batch_invariant = batch_invariant
+        # the Triton decode's split of long contexts is chosen from the batch's size unless fixed
+        self.decode_splits = 1 if batch_invariant else None
         shape = (num_blocks, model.num_kv_heads, block_size, model.head_dim)
         self.slot_caches = [
             (
@@ -83,7 +89,7 @@ class ModelRunner:
         try:
             graphs = DecodeGraphs.record(
                 self.forward_decode, buckets_for(max_num_seqs), max_blocks, max_model_len,
-                self.device, capture, self.layout.num_groups,
+                self.device, capture, self.layout.num_groups, self.decode_splits,
             )  # fmt: skip
             mismatch = self._check_graphs(graphs)
         except Exception as err:  # noqa: BLE001 - any failure means no graphs, said why
@@ -109,6 +115,7 @@ class ModelRunner:
             slots = [b * bs + p for b, p in zip(blocks, positions, strict=True)]
             slots = to_device(slots, self.device)
             metas.append(AttentionMetadata.build(slots, tables, self.device))
+            metas[-1].decode_splits = self.decode_splits
         meta = metas[0] if groups == 1 else metas
         ids, pos = to_device(list(range(1, n + 1)), self.device), to_device(positions, self.device)
         eager = self.forward_decode(ids, pos, meta).float()
@@ -141,6 +148,8 @@ class ModelRunner:
             scheduled, prompt_logprob_seqs, self.block_size, self.model.long_rope,
             self.layout.num_groups,
         )  # fmt: skip
+        if self.batch_invariant:
+            step.tables = [tables.every_row_a_decode() for tables in step.tables]
         dev = self.device
         kept = step.output_rows()
         at = {row: i for i, row in enumerate(kept or range(len(step.input_ids)))}
@@ -157,6 +166,7 @@ class ModelRunner:
         for g, finish_meta in enumerate(finish_metas):
             slot_mapping = fetch(slots[g])
             meta = finish_meta(slot_mapping, fetch)
+            meta.decode_splits = self.decode_splits
             if self.cascade and self.layout.windows[g] is None:
                 meta.cascade = plan_cascade(slot_mapping, step.tables[g], self.block_size, dev)
             metas.append(meta)

@@ -32,6 +32,9 @@ class AttentionMetadata:
     # blocks that several sequences share at the start of their tables, to be read once for all
     # of them (kernels.cascade); None when nothing is worth it or the backend does not use it
     cascade: CascadePlan | None = None
+    # how many parts a long context's decode attention is split into and merged from (Triton);
+    # None lets the kernel choose by the batch's size, 1 keeps each query's sums in one order
+    decode_splits: int | None = None
 
     @property
     def num_prefills(self) -> int:
@@ -89,6 +92,17 @@ class BatchTables:
     prefill_tables: list[list[int]]
     prefill_lens: list[int]
     query_start: list[int]  # where each prefill chunk's queries start, and the end: [S + 1]
+
+    def every_row_a_decode(self) -> BatchTables:
+        """The same rows with each prefill query as a decode of its own (its chunk's table, the
+        keys up to its position): batch-invariant mode attends every token with the decode
+        kernel, whose sums over a query's keys do not depend on how its prompt was chunked."""
+        tables, lens = list(self.decode_tables), list(self.decode_lens)
+        for i, (table, end) in enumerate(zip(self.prefill_tables, self.prefill_lens, strict=True)):
+            first = end - (self.query_start[i + 1] - self.query_start[i])
+            tables += [table] * (end - first)
+            lens += range(first + 1, end + 1)
+        return BatchTables(tables, lens, [], [], [0])
 
 
 @dataclass

@@ -40,6 +40,7 @@ class TritonPagedAttention:
                 out=out[:d],
                 window=window,
                 softcap=softcap,
+                num_splits=meta.decode_splits,
             )
         if meta.num_prefills:
             query_start, context_lens = (

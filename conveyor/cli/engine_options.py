@@ -9,7 +9,7 @@ from dataclasses import Field, fields
 
 from conveyor.engine.config import EngineConfig
 
-_ARGPARSE_SETTINGS = ("type", "metavar", "choices")
+_ARGPARSE_SETTINGS = ("type", "metavar", "choices", "action")
 
 
 def add_engine_arguments(

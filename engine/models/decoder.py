@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from conveyor.engine.batch_invariant import in_row_tiles
 from conveyor.engine.models.layers import (
     COMPILED,
     EAGER,
@@ -27,6 +28,7 @@ from conveyor.engine.models.layers import (
     RMSNorm,
     Rope,
     RotaryEmbedding,
+    RowTiled,
     RunsActivation,
     apply_rope,
     compiled_apply_rope,
@@ -265,6 +267,7 @@ class DecoderForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.packed_lm_head: PrepackedLinear | None = None  # set by `prepack`
+        self.row_tiles = False  # set by `use_batch_invariance`
         # Gemma's tanh soft-capping of the logits and of the attention scores, where it has them
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         self.attention_softcap = getattr(config, "attn_logit_softcapping", None)
@@ -310,10 +313,8 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta, backend, keep_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed_lm_head is not None:
-            logits = self.packed_lm_head(hidden)
-        else:
-            logits = self.lm_head(hidden)
+        product = self.lm_head if self.packed_lm_head is None else self.packed_lm_head
+        logits = in_row_tiles(product, hidden) if self.row_tiles else product(hidden)
         cap = self.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -327,6 +328,14 @@ class DecoderForCausalLM(nn.Module):
                 module.impl = impl
             elif isinstance(module, RunsActivation):
                 module.impl = impl if impl in (NATIVE, TRITON) else EAGER
+
+    def use_batch_invariance(self) -> None:
+        """Every product in tiles of fixed rows (`engine.batch_invariant`): a row's result no
+        longer depends on how many rows its step has."""
+        self.row_tiles = True
+        for module in self.modules():
+            if isinstance(module, RowTiled):
+                module.row_tiles = True
 
     def warm_up_products(self, max_rows: int) -> None:
         """Run each distinct projection (one layer's and the output layer) at every row count

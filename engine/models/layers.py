@@ -12,6 +12,7 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.engine.batch_invariant import in_row_tiles
 from conveyor.kernels import native_layers
 
 # How a module runs its elementwise steps (norms, rope, activation): torch's eager ops, fused
@@ -126,7 +127,14 @@ GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-class Linear(nn.Linear):
+class RowTiled:
+    """A module whose matrix products run in tiles of fixed rows once `row_tiles` is set
+    (batch-invariant mode, `engine.batch_invariant`)."""
+
+    row_tiles = False
+
+
+class Linear(RowTiled, nn.Linear):
     """`nn.Linear` that runs through a oneDNN copy of its weight once `prepack` made one (a
     CPU whose torch has the oneDNN ops): 7% off a 128-request workload in bfloat16
     (bench/engine_ceiling.py's), the same outputs. The plain weight is dropped then, so the
@@ -140,6 +148,11 @@ class Linear(nn.Linear):
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_tiles:
+            return in_row_tiles(self._product, x)
+        return self._product(x)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self.packed(x, self.bias)
         return super().forward(x)
@@ -171,7 +184,7 @@ class PackedLinear(Linear):
         """Each shard's output. On the CPU without a oneDNN copy, a wide packed product runs
         as one product per shard: MKL does [4096, 512] x [512, 2816] at ~165 GFLOP/s and each
         1408-wide half at ~200."""
-        plain = self.packed is None and x.device.type == "cpu"
+        plain = self.packed is None and x.device.type == "cpu" and not self.row_tiles
         if not plain or self.out_features <= CPU_PACKED_MAX_OUT:
             return self.split(self(x))
         outs, start = [], 0

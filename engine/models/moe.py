@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.engine.batch_invariant import in_row_tiles
 from conveyor.engine.models.decoder import MLP, activation_of, dense_mlp
-from conveyor.engine.models.layers import TRITON, Linear, RunsActivation
+from conveyor.engine.models.layers import TRITON, Linear, RowTiled, RunsActivation
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def _tell_once(reason: str) -> None:
         log.info("experts run one product per expert: %s", reason)
 
 
-class Experts(RunsActivation, nn.Module):
+class Experts(RowTiled, RunsActivation, nn.Module):
     """`num_experts` gated MLPs (SwiGLU unless `activation` says otherwise) as two stacked
     weights: `gate_up` [E, 2·inter, hidden] (each expert's gate rows, then its up rows) and
     `down` [E, hidden, inter]."""
@@ -92,7 +93,7 @@ class Experts(RunsActivation, nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden]; each token's experts and their weights [T, k] -> [T, hidden]."""
         k = top_index.shape[-1]
-        if self.impl == TRITON:  # both products fused over all experts, one launch each
+        if self.impl == TRITON and not self.row_tiles:  # both products fused, one launch each
             out = triton_moe().expert_products(x, self.gate_up, self.down, top_index)
             out = out * top_weights.reshape(-1, 1)
             return out.view(x.shape[0], k, -1).sum(dim=1).to(x.dtype)
@@ -111,14 +112,18 @@ class Experts(RunsActivation, nn.Module):
 
     def _linear(self, rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor):
         """rows grouped by expert (`counts` each) times their expert's `weight`ᵀ."""
-        if self.grouped:
+        if self.grouped and not self.row_tiles:
             offsets = counts.cumsum(0, dtype=torch.int32)
             return F.grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
         out = rows.new_empty(rows.shape[0], weight.shape[1])
         start = 0
         for e, n in enumerate(counts.tolist()):
             if n:
-                out[start : start + n] = F.linear(rows[start : start + n], weight[e])
+                expert = functools.partial(F.linear, weight=weight[e])
+                part = rows[start : start + n]
+                out[start : start + n] = (
+                    in_row_tiles(expert, part) if self.row_tiles else expert(part)
+                )
                 start += n
         return out
 

@@ -36,6 +36,7 @@ def test_the_same_checkpoint_gives_the_same_fingerprint_and_a_copy_too(model, tm
 def test_what_decides_the_answers_changes_it(model, tmp_path):
     first = fingerprint_of(model)
     assert fingerprint_of(model, dtype="bfloat16") != first
+    assert fingerprint_of(model, batch_invariant=True) != first
     assert fingerprint_of(model, chat_template="{{ messages[0]['content'] }}") != first
     other = write_tiny_model(tmp_path / "other", "llama", seed=1)  # other weights, same config
     assert fingerprint_of(other) != first
