@@ -5,36 +5,64 @@ run gives.
 One row of a matrix product can come out differently with another number of rows beside it:
 BLAS libraries pick the kernel, the blocking and the threads by shape (MKL's float32 product on
 an AVX-512 CPU sums in another order below 8 rows), and a step's row count is its batch's. In
-this mode every product runs in tiles of exactly `ROW_TILE` rows, the last padded with zeros,
-so the library meets one shape per weight and each row's sums are always taken in one order.
-Attention already reduces each query over its own keys alone; what the batch decides there is
-switched off: cascade attention (a shared prefix's partial sums merged in another order) and
-the Triton decode kernel's split of long contexts (its count is chosen from the batch's size).
+this mode every product runs in tiles of a few fixed sizes, so the library meets the same
+shapes whatever the batch: rows in tiles of `ROW_TILE`, the rows left over in the smallest
+tile that holds them, padded with zeros. A smaller tile (`PART_TILES`) is used only where this
+machine's product gives a row the same bits in it as in a tile of `ROW_TILE`, checked once per
+weight when the mode is switched on (`tiles_for`). Attention already reduces each query over
+its own keys alone; what the batch decides there is switched off: cascade attention (a shared
+prefix's partial sums merged in another order) and the Triton decode kernel's split of long
+contexts (its count is chosen from the batch's size).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
+Product = Callable[[torch.Tensor], torch.Tensor]
+
 # 64 rows: as fast as the untiled product from a few hundred rows up (oneDNN, bfloat16), and a
-# decode batch of 64 needs no padding; a smaller batch pays for 64 rows
+# decode batch of 64 needs no padding
 ROW_TILE = 64
+# for the rows left over: a decode batch of 40 pays for 48 rows, not 64
+PART_TILES = (16, 32, 48)
+
+
+@torch.inference_mode()
+def tiles_for(products: Iterable[tuple[Product, torch.Tensor]]) -> tuple[int, ...]:
+    """The tile sizes, smallest first, that every one of `products` (each with an input row
+    of its width, dtype and device) may run: `ROW_TILE`, and each of `PART_TILES` whose rows
+    equal, bit for bit, the same rows in a tile of `ROW_TILE`. Random rows show a different
+    order of summation at once."""
+    sizes = set(PART_TILES)
+    g = torch.Generator().manual_seed(0)
+    for product, like in products:
+        rows = torch.randn(ROW_TILE, like.shape[-1], generator=g).to(like)
+        whole = product(rows)
+        sizes = {
+            t for t in sizes
+            if torch.equal(product(rows[:t].clone()), whole[:t])
+            and torch.equal(product(rows[-t:].clone()), whole[-t:])
+        }  # fmt: skip
+    return (*sorted(sizes), ROW_TILE)
 
 
 def in_row_tiles(
-    product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int = ROW_TILE
+    product: Product, x: torch.Tensor, tiles: tuple[int, ...] = (ROW_TILE,)
 ) -> torch.Tensor:
-    """`product(x)` for x [..., features], run on tiles of exactly `tile` rows of x: whole
-    tiles in place, the rows left over copied into a tile of zeros."""
+    """`product(x)` for x [..., features], run on tiles of rows of x: whole tiles of the
+    largest of `tiles` in place, the rows left over copied into the smallest that holds them,
+    padded with zeros."""
     flat = x.reshape(-1, x.shape[-1])
-    rows = flat.shape[0]
+    rows, tile = flat.shape[0], tiles[-1]
     whole = rows - rows % tile
     outs = [product(flat[start : start + tile]) for start in range(0, whole, tile)]
-    if whole < rows or rows == 0:
-        last = flat.new_zeros(tile, flat.shape[1])
-        last[: rows - whole] = flat[whole:]
-        outs.append(product(last)[: rows - whole])
+    left = rows - whole
+    if left or rows == 0:
+        last = flat.new_zeros(min(t for t in tiles if t >= left), flat.shape[1])
+        last[:left] = flat[whole:]
+        outs.append(product(last)[:left])
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from conveyor.engine.batch_invariant import in_row_tiles
+from conveyor.engine.batch_invariant import in_row_tiles, tiles_for
 from conveyor.engine.models.layers import (
     COMPILED,
     EAGER,
@@ -267,7 +267,7 @@ class DecoderForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.packed_lm_head: PrepackedLinear | None = None  # set by `prepack`
-        self.row_tiles = False  # set by `use_batch_invariance`
+        self.logit_tiles: tuple[int, ...] = ()  # set by `use_batch_invariance`
         # Gemma's tanh soft-capping of the logits and of the attention scores, where it has them
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         self.attention_softcap = getattr(config, "attn_logit_softcapping", None)
@@ -314,7 +314,8 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         product = self.lm_head if self.packed_lm_head is None else self.packed_lm_head
-        logits = in_row_tiles(product, hidden) if self.row_tiles else product(hidden)
+        tiles = self.logit_tiles
+        logits = in_row_tiles(product, hidden, tiles) if tiles else product(hidden)
         cap = self.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -332,10 +333,12 @@ class DecoderForCausalLM(nn.Module):
     def use_batch_invariance(self) -> None:
         """Every product in tiles of fixed rows (`engine.batch_invariant`): a row's result no
         longer depends on how many rows its step has."""
-        self.row_tiles = True
         for module in self.modules():
             if isinstance(module, RowTiled):
-                module.row_tiles = True
+                module.use_row_tiles()
+        product = self.lm_head if self.packed_lm_head is None else self.packed_lm_head
+        hidden = self.model.embed_tokens.weight
+        self.logit_tiles = tiles_for([(product, hidden.new_empty(1, hidden.shape[1]))])
 
     def warm_up_products(self, max_rows: int) -> None:
         """Run each distinct projection (one layer's and the output layer) at every row count

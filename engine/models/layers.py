@@ -12,7 +12,7 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.engine.batch_invariant import in_row_tiles
+from conveyor.engine.batch_invariant import Product, in_row_tiles, tiles_for
 from conveyor.kernels import native_layers
 
 # How a module runs its elementwise steps (norms, rope, activation): torch's eager ops, fused
@@ -128,10 +128,17 @@ GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class RowTiled:
-    """A module whose matrix products run in tiles of fixed rows once `row_tiles` is set
-    (batch-invariant mode, `engine.batch_invariant`)."""
+    """A module whose matrix products run in tiles of fixed rows once `row_tiles` holds the
+    tile sizes they may use (batch-invariant mode, `engine.batch_invariant`)."""
 
-    row_tiles = False
+    row_tiles: tuple[int, ...] = ()
+
+    def tile_products(self) -> list[tuple[Product, torch.Tensor]]:
+        """Each product the module runs, with an input row of its width, dtype and device."""
+        raise NotImplementedError
+
+    def use_row_tiles(self) -> None:
+        self.row_tiles = tiles_for(self.tile_products())
 
 
 class Linear(RowTiled, nn.Linear):
@@ -149,8 +156,11 @@ class Linear(RowTiled, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_tiles:
-            return in_row_tiles(self._product, x)
+            return in_row_tiles(self._product, x, self.row_tiles)
         return self._product(x)
+
+    def tile_products(self) -> list[tuple[Product, torch.Tensor]]:
+        return [(self._product, self.weight.new_empty(1, self.in_features))]
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.engine.batch_invariant import in_row_tiles
+from conveyor.engine.batch_invariant import Product, in_row_tiles
 from conveyor.engine.models.decoder import MLP, activation_of, dense_mlp
 from conveyor.engine.models.layers import TRITON, Linear, RowTiled, RunsActivation
 
@@ -81,6 +81,12 @@ class Experts(RowTiled, RunsActivation, nn.Module):
             names[f"{prefix}.{e}.{down}.weight"] = (f"{prefix}.down", e)
         return names
 
+    def tile_products(self) -> list[tuple[Product, torch.Tensor]]:
+        return [
+            (functools.partial(F.linear, weight=w[0]), w.new_empty(1, w.shape[2]))
+            for w in (self.gate_up, self.down)
+        ]
+
     def prepack(self) -> None:
         """Once the weights are loaded: grouped products where this device runs them."""
         reason = grouped_mm_supported(self.gate_up.device, self.gate_up.dtype)
@@ -122,7 +128,7 @@ class Experts(RowTiled, RunsActivation, nn.Module):
                 expert = functools.partial(F.linear, weight=weight[e])
                 part = rows[start : start + n]
                 out[start : start + n] = (
-                    in_row_tiles(expert, part) if self.row_tiles else expert(part)
+                    in_row_tiles(expert, part, self.row_tiles) if self.row_tiles else expert(part)
                 )
                 start += n
         return out

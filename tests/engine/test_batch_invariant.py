@@ -4,25 +4,27 @@ computed by another request or not."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from conveyor.cli.engine_options import add_engine_arguments, engine_config
 from conveyor.demo_model import write_tiny_model
 from conveyor.engine import LLM, SamplingParams
-from conveyor.engine.batch_invariant import ROW_TILE, in_row_tiles
+from conveyor.engine.batch_invariant import PART_TILES, ROW_TILE, in_row_tiles, tiles_for
 from conveyor.kernels.metadata import BatchTables
 from tests.hf_reference import random_prompts
 
 REQUESTS = 64
 
 
-def test_products_meet_one_shape_whatever_the_row_count():
+def test_products_meet_the_same_shapes_whatever_the_row_count():
     weight = torch.randn(24, 16)
     shapes = []
 
     def product(rows: torch.Tensor) -> torch.Tensor:
-        shapes.append(tuple(rows.shape))
+        shapes.append(rows.shape[0])
         # a product whose rows depend on how many there are, as a BLAS library's may
         return rows @ weight.T + rows.shape[0]
 
@@ -31,10 +33,27 @@ def test_products_meet_one_shape_whatever_the_row_count():
     for start, rows in ((0, 1), (3, 7), (40, ROW_TILE + 9)):
         part = in_row_tiles(product, x[start : start + rows])
         assert torch.equal(part, whole[start : start + rows])
-    assert set(shapes) == {(ROW_TILE, 16)}
+    assert set(shapes) == {ROW_TILE}
     assert torch.allclose(whole, x @ weight.T + ROW_TILE)
     # leading dimensions are kept
     assert in_row_tiles(product, x[:6].view(2, 3, 16)).shape == (2, 3, 24)
+    # with smaller tiles allowed, the rows left over take the smallest that holds them
+    shapes.clear()
+    in_row_tiles(product, x[: ROW_TILE + 20], (16, 32, ROW_TILE))
+    assert shapes == [ROW_TILE, 32]
+
+
+def test_a_smaller_tile_is_used_only_where_it_gives_the_same_bits():
+    weight = torch.randn(24, 16)
+    exact = functools.partial(torch.nn.functional.linear, weight=weight)
+    assert tiles_for([(exact, weight.new_empty(1, 16))]) == (*PART_TILES, ROW_TILE)
+
+    def sums_otherwise_below_32_rows(rows: torch.Tensor) -> torch.Tensor:
+        out = rows @ weight.T
+        return out if rows.shape[0] >= 32 else out + 1e-6
+
+    products = [(exact, weight.new_empty(1, 16)), (sums_otherwise_below_32_rows, weight[:1])]
+    assert tiles_for(products) == (32, 48, ROW_TILE)
 
 
 def test_every_prefill_query_becomes_a_decode_of_its_own():
