@@ -108,8 +108,23 @@ def batch_object(batch: BatchRow | Row[Any], runs: Sequence[dict[str, Any]] = ()
         eta_seconds=eta,
         cached_tokens=totals.cached_tokens,
         status_details=_status_details(batch),
-        reproducibility=[schemas.BatchRun.model_validate(run) for run in runs],
+        reproducibility=run_records(runs),
     )
+
+
+def run_records(runs: Sequence[dict[str, Any]]) -> list[schemas.BatchRun]:
+    """A batch's runs (`ledger.batch_runs.runs_of`) as the API shows them."""
+    return [schemas.BatchRun.model_validate(run) for run in runs]
+
+
+def provenance_headers(batch_id: str, runs: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """The response headers that name what produced a download of a batch's lines: the batch,
+    and the model fingerprints of its runs, first first (none when no run was recorded)."""
+    headers = {"Conveyor-Batch-Id": batch_id}
+    fingerprints = dict.fromkeys(run["fingerprint"] for run in runs)
+    if fingerprints:
+        headers["Conveyor-Fingerprints"] = ",".join(fingerprints)
+    return headers
 
 
 def _status_details(batch: BatchRow | Row[Any]) -> str | None:

@@ -26,6 +26,11 @@ class FileObject(BaseModel):
     status: str = "processed"
     expires_at: int | None = None
     status_details: str | None = None
+    reproducibility: list[BatchRun] | None = Field(
+        default=None,
+        description="of a batch's output or error file: what produced its lines, as the batch "
+        "object's `reproducibility`; null for an uploaded file",
+    )
 
 
 class FileList(BaseModel):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
@@ -12,6 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from conveyor.api import schemas
+from conveyor.api.batch_view import provenance_headers, run_records
 from conveyor.api.deps import AppState, ProjectDep, SessionDep, StateDep, read_in_session
 from conveyor.api.errors import APIError
 from conveyor.api.guard import KeyedRoute
@@ -20,6 +22,7 @@ from conveyor.api.pagination import keyset_page
 from conveyor.api.params import IdText, PurposeText
 from conveyor.api.results import result_lines
 from conveyor.api.uploads import UPLOAD_FORM, UploadRoute, receive_upload
+from conveyor.ledger.batch_runs import runs_of
 from conveyor.ledger.erasure import erase_input_copies, erase_results
 from conveyor.ledger.ids import new_file_id
 from conveyor.ledger.models import FileRow
@@ -38,14 +41,32 @@ PURPOSES = ("batch",)
 PAGE = 1000
 
 
-def file_object(file: FileRow) -> schemas.FileObject:
+def file_object(
+    file: FileRow, runs: Mapping[str, Sequence[dict[str, Any]]] | None = None
+) -> schemas.FileObject:
+    """The file object; a batch's output or error file also says what produced its lines
+    (`reproducibility`), from `runs` (`runs_of` its batch)."""
+    reproducibility = None
+    if file.batch_id is not None:
+        reproducibility = run_records((runs or {}).get(file.batch_id, ()))
     return schemas.FileObject(
         id=file.id,
         bytes=file.bytes,
         created_at=file.created_at,
         filename=file.filename,
         purpose=file.purpose,
+        reproducibility=reproducibility,
     )
+
+
+def batch_runs(session: Session, files: Sequence[FileRow]) -> dict[str, list[dict[str, Any]]]:
+    """The runs of the batches whose output or error files `files` has, in one query."""
+    return runs_of(session, {file.batch_id for file in files if file.batch_id is not None})
+
+
+def read_file(session: Session, file_id: str, project: str) -> schemas.FileObject:
+    file = get_file(session, file_id, project)
+    return file_object(file, batch_runs(session, [file]))
 
 
 @uploads.post(
@@ -102,16 +123,20 @@ def file_list(
     if purpose:
         query = query.where(FileRow.purpose == purpose)
     page = keyset_page(session, query, FileRow, project, after, limit, order == "desc")
-    return schemas.list_page(schemas.FileList, page.scalars().all(), limit, file_object)
+    files = page.scalars().all()
+    runs = batch_runs(session, files[:limit])
+    return schemas.list_page(schemas.FileList, files, limit, lambda file: file_object(file, runs))
 
 
 @router.get("/{file_id}", response_model=schemas.FileObject)
 async def retrieve_file(file_id: str, state: StateDep, project: ProjectDep) -> schemas.FileObject:
-    return await read_in_session(state, lambda s: file_object(get_file(s, file_id, project)))
+    return await read_in_session(state, read_file, file_id, project)
 
 
 @router.get("/{file_id}/content")
 def file_content(file_id: str, state: StateDep, session: SessionDep, project: ProjectDep):
+    """The file's lines; a batch's output or error file's answer names what produced them in
+    its headers: `Conveyor-Batch-Id` and `Conveyor-Fingerprints` (comma-separated)."""
     file = get_file(session, file_id, project)
     if file.batch_id is None:
         path = state.files.path(file.id)
@@ -121,7 +146,10 @@ def file_content(file_id: str, state: StateDep, session: SessionDep, project: Pr
     return StreamingResponse(
         result_lines(state.ledger, file.batch_id, ok=file.purpose == "batch_output"),
         media_type="application/jsonl",
-        headers={"content-disposition": f'attachment; filename="{file.filename}"'},
+        headers={
+            "content-disposition": f'attachment; filename="{file.filename}"',
+            **provenance_headers(file.batch_id, runs_of(session, [file.batch_id])[file.batch_id]),
+        },
     )
 
 
