@@ -63,7 +63,13 @@ def add_submit(sub: argparse._SubParsersAction) -> None:
         "completed line of this project with the same model fingerprint and the same request, "
         'computing only the rest (the API\'s reuse: "exact")',
     )
-    p.add_argument("-o", "--output", type=Path, help="with --wait: write the results here")
+    p.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        help="with --wait: write the results here, and what produced them (the batch's "
+        "reproducibility record) beside them in OUTPUT.meta.json",
+    )
     p.add_argument("--errors", type=Path, help="with --wait: write the error lines here")
     p.add_argument(
         "--max-failed",
@@ -209,6 +215,8 @@ def wait_and_download(client, batch_id: str, args: argparse.Namespace) -> int:
         client.download(batch["error_file_id"], args.errors)
     elif args.errors:
         args.errors.write_bytes(b"")
+    if args.output or args.errors:
+        write_record(batch, args.output or args.errors)
     counts = batch["request_counts"]
     reused = f" ({counts['reused']} reused)" if counts.get("reused") else ""
     print(
@@ -223,6 +231,27 @@ def wait_and_download(client, batch_id: str, args: argparse.Namespace) -> int:
     if counts["failed"] > args.max_failed:
         return EXIT_TOO_MANY_FAILED
     return EXIT_OK
+
+
+def record_path(results: Path) -> Path:
+    """Where what produced the lines of `results` is written: `results` + `.meta.json`."""
+    return results.with_name(results.name + ".meta.json")
+
+
+def write_record(batch: dict, results: Path) -> Path:
+    """Write what produced the lines of `results` beside it (`record_path`): the batch's id,
+    status and model and its `reproducibility` (each worker and model fingerprint that ran it,
+    with the engine's settings and the sampling defaults in force), and say so on stderr. The
+    lines themselves stay as the API gave them."""
+    path = record_path(results)
+    runs = batch.get("reproducibility") or []
+    record = {"batch_id": batch["id"], "status": batch["status"], "model": batch.get("model"),
+              "reproducibility": runs}  # fmt: skip
+    path.write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+    fingerprints = ", ".join(dict.fromkeys(run["fingerprint"] for run in runs)) or "none recorded"
+    print(f"what produced {results}: {path} (model fingerprints: {fingerprints})",
+          file=sys.stderr)  # fmt: skip
+    return path
 
 
 def add_status(sub: argparse._SubParsersAction) -> None:
@@ -244,9 +273,20 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def add_results(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("results", help="print the result lines finished so far (JSONL)")
+    p = sub.add_parser(
+        "results", help="print (or with -o write) the result lines finished so far (JSONL)"
+    )
     p.add_argument("batch_id")
     p.add_argument("--after", help="only lines after this line id")
+    p.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        metavar="FILE",
+        help="write the lines to FILE instead of printing them, and what produced them (the "
+        "batch's reproducibility record: model fingerprints, engine settings, sampling "
+        "defaults) beside it, in FILE.meta.json",
+    )
     add_url_argument(p)
     p.set_defaults(func=cmd_results)
 
@@ -256,8 +296,16 @@ def cmd_results(args: argparse.Namespace) -> int:
 
     try:
         with ConveyorClient(args.url) as client:
-            for line in client.results(args.batch_id, args.after):
-                print(json.dumps(line, ensure_ascii=False))
+            lines = client.results(args.batch_id, args.after)
+            if args.output is None:
+                for line in lines:
+                    print(json.dumps(line, ensure_ascii=False))
+                return EXIT_OK
+            with open(args.output, "w", encoding="utf-8") as out:
+                for line in lines:
+                    out.write(json.dumps(line, ensure_ascii=False) + "\n")
+            # read after the lines: a worker's run is recorded before it writes any of them
+            write_record(client.batch(args.batch_id), args.output)
     except (ServiceError, OSError) as err:
         return fail("results", str(err))
     return EXIT_OK

@@ -10,6 +10,8 @@
 # With REUSE=1 (the default) a line that earlier nights answered under the same model
 # fingerprint, unchanged, is answered from their results (`--reuse`): only edited and new lines
 # are computed, and the summary line says how many were reused. REUSE=0 computes everything.
+# Beside results.jsonl, results.jsonl.meta.json says what produced it: the batch's id and each
+# worker's model fingerprint, engine settings and sampling defaults.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 
