@@ -31,6 +31,9 @@ BigId = BigInteger().with_variant(Integer(), "sqlite")
 
 
 DEFAULT_PROJECT = "default"
+# results by (request key, model fingerprint): how exact reuse finds earlier results; the key,
+# nearly unique, comes first (migration 0009)
+REUSE_INDEX = "ix_results_reuse"
 
 
 class Base(DeclarativeBase):
@@ -166,7 +169,7 @@ class ResultRow(Base):
     __tablename__ = "results"
     __table_args__ = (
         Index("ix_results_batch_seq", "batch_id", "seq"),
-        Index("ix_results_reuse", "fingerprint", "request_key"),
+        Index(REUSE_INDEX, "request_key", "fingerprint"),
     )
 
     seq: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)

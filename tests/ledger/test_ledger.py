@@ -373,3 +373,51 @@ def test_reusable_results_stay_in_their_project_fingerprint_and_key(any_ledger: 
         assert sorted(found) == ["k0", "k1"] and found["k0"].batch_id == batch_id
         assert find_reusable(session, project, "fp-b", ["k0"]) == {}  # other weights
         assert find_reusable(session, "someone-else", "fp-a", ["k0"]) == {}
+
+
+def keyed_results(ledger: Ledger, project: str, keys: list[str], fingerprint: str = "fp-a"):
+    """A batch of `project` whose lines have results under `keys`; the batch's id."""
+    batch_id, shards = make_batch(ledger, batch_lines(len(keys)), shard_size=len(keys))
+    with ledger.session() as session:
+        session.get(BatchRow, batch_id).project = project
+        claim = shard_lifecycle.claim_shard(session, shards[0][0], "w1")
+        rows = [result_row(batch_id, request[0]) for request in claim.requests]
+        for row, key in zip(rows, keys, strict=True):
+            row.update(fingerprint=fingerprint, request_key=key)
+        results.record_results(session, rows)
+    return batch_id
+
+
+def test_a_key_is_reused_from_its_own_project_across_lookup_chunks(any_ledger, monkeypatch):
+    # the results are found by key first and their batches' project checked after: another
+    # project's earlier result of the same key is passed over, in every chunk of keys
+    from conveyor.ledger import reuse
+
+    monkeypatch.setattr(reuse, "LOOKUP_CHUNK", 2)
+    keys = ["k0", "k1", "k2", "k3", "k4"]
+    theirs = keyed_results(any_ledger, "theirs", keys)
+    ours = keyed_results(any_ledger, "ours", keys[1:])
+    later = keyed_results(any_ledger, "ours", keys[1:])
+    with any_ledger.reads() as session:
+        found = reuse.find_reusable(session, "ours", "fp-a", [*keys, "k9", "k1"])
+        assert sorted(found) == keys[1:]
+        assert {hit.batch_id for hit in found.values()} == {ours} != {later}  # the earliest
+        found = reuse.find_reusable(session, "theirs", "fp-a", keys)
+        assert sorted(found) == keys and {hit.batch_id for hit in found.values()} == {theirs}
+
+
+def test_the_reuse_lookup_goes_through_its_index(any_ledger: Ledger):
+    # a schema change that dropped the index, or put the fingerprint before the key again,
+    # would turn each lookup into a read of every result (bench/reuse_lookup.py)
+    from conveyor.ledger.models import REUSE_INDEX
+    from conveyor.ledger.reuse import LOOKUP_CHUNK, lookup_plan
+
+    keys = [f"{i:032x}" for i in range(LOOKUP_CHUNK)]
+    with any_ledger.session() as session:
+        if not any_ledger.is_sqlite:  # an empty table: only a forbidden scan makes it choose
+            session.execute(sa.text("SET LOCAL enable_seqscan = off"))
+        plan = lookup_plan(session, "fp-a", keys)
+    assert REUSE_INDEX in plan, plan
+    (index,) = [i for i in sa.inspect(any_ledger.engine).get_indexes("results")
+                if i["name"] == REUSE_INDEX]  # fmt: skip
+    assert index["column_names"] == ["request_key", "fingerprint"]  # the nearly unique key first
