@@ -15,6 +15,14 @@ API, as `conveyor submit --reuse` does:
     python bench/reuse.py              # 2,000 lines of 64 tokens (a few minutes)
     python bench/reuse.py --quick      # 200 lines
 
+With `--lookups`, instead, no service: the ledger's lookups of 100,000 keys, all found and
+none found, on SQLite and PostgreSQL, against the goal of seconds, not minutes (each under
+10 s; bench/reuse_lookup.py says how):
+
+    python bench/reuse.py --lookups                     # 100,000 lines, both ledgers (~1 min)
+    python bench/reuse.py --lookups --quick             # 10,000 lines
+    python bench/reuse.py --lookups --backend sqlite --analyze
+
 The last line printed is one JSON object.
 """
 
@@ -29,6 +37,7 @@ from pathlib import Path
 import httpx
 from machine import cpu_isa, git_state, loadavg
 from report import print_result
+from reuse_lookup import run_lookups
 
 from conveyor.demo_model import write_tiny_model
 from conveyor.testing import (
@@ -47,12 +56,23 @@ SHAPE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lines", type=int, default=2000)
+    ap.add_argument("--lines", type=int, help="default 2,000 (--lookups: 100,000)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--changed", type=float, default=0.05, help="share of lines edited")
-    ap.add_argument("--quick", action="store_true", help="200 lines")
+    ap.add_argument("--quick", action="store_true", help="200 lines (--lookups: 10,000)")
+    ap.add_argument("--lookups", action="store_true", help="time the ledger's lookups instead")
+    ap.add_argument("--backend", choices=("sqlite", "postgresql", "both"), default="both",
+                    help="--lookups: the ledgers timed")  # fmt: skip
+    ap.add_argument(
+        "--analyze",
+        action="store_true",
+        help="--lookups: ANALYZE the ledger once it is filled (by default it is timed as filled, "
+        "before autovacuum has gathered statistics: the planner's worst case)",
+    )
     args = ap.parse_args(argv)
-    if args.quick:
+    if args.lines is None:
+        args.lines = (10_000 if args.quick else 100_000) if args.lookups else 2000
+    if args.quick and not args.lookups:
         args.lines = 200
     return args
 
@@ -70,6 +90,10 @@ def run(api: str, path: Path) -> tuple[float, dict]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.lookups:
+        report = run_lookups(args)
+        print_result(report)
+        return report
     with service_deployment("reuse") as stack:
         root = stack.root
         first_weights = write_tiny_model(root / "weights-a", "llama", seed=0, **SHAPE)

@@ -31,7 +31,7 @@ BENCH_COLUMNS = {
     "sampling_features": ["plain_tokens_per_s", "penalties_cost", "structured_cost"],
     "step_profile": ["dtype", "attention", "sequences", "decode_ms", "prefill_ms"],
     "reuse": ["lines", "first_s", "rerun_s", "rerun_share_of_first", "edited_reused",
-              "other_weights_reused"],
+              "other_weights_reused", "lookup_sqlite_s", "lookup_postgresql_s"],
     "stop_strings": ["cpu_isa", "ratios", "end_to_end", "host_ms_per_step_256"],
     "triton_decode_sweep": ["device", "DECODE_BLOCK_N", "DECODE_NUM_WARPS",
                             "DECODE_NUM_STAGES", "share_of_copy"],
