@@ -359,8 +359,7 @@ class LLMEngine:
         build the projections' kernels for every decode batch size; on a GPU, compile every
         variant of the attention kernels a step can meet."""
         if self.device.type == "cpu":
-            c = self.engine_config
-            self.runner.model.warm_up_products(c.max_num_seqs, c.max_num_batched_tokens)
+            self.runner.model.warm_up_products(self.engine_config.max_num_seqs)
         warm_kernels = getattr(self.runner.backend, "warm_up", None)
         if warm_kernels is not None:
             started = time.perf_counter()

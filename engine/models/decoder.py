@@ -33,7 +33,6 @@ from conveyor.engine.models.layers import (
     apply_rope,
     compiled_apply_rope,
     per_layer_type_rope,
-    product_rows,
     rotary_dim,
     triton_layers,
 )
@@ -341,11 +340,10 @@ class DecoderForCausalLM(nn.Module):
         hidden = self.model.embed_tokens.weight
         self.logit_tiles = tiles_for([(product, hidden.new_empty(1, hidden.shape[1]))])
 
-    def warm_up_products(self, max_rows: int, max_tokens: int) -> None:
-        """Run each distinct projection (one layer's) at every row count a step of up to
-        `max_tokens` tokens gives it, and the output layer at every decode batch size up to
-        `max_rows`: oneDNN builds a product kernel the first time it meets a shape (0.3 ms for
-        a few rows, 5-30 ms for thousands), which would otherwise fall on live steps."""
+    def warm_up_products(self, max_rows: int) -> None:
+        """Run each distinct projection (one layer's and the output layer) at every row count
+        up to `max_rows`, a decode step's possible batch sizes: oneDNN builds a product kernel
+        the first time it meets a shape (~0.3 ms), which would otherwise fall on live steps."""
         if self.packed_lm_head is None:
             return
         shapes: dict[tuple[int, int], Linear] = {}
@@ -353,12 +351,12 @@ class DecoderForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 shapes.setdefault((module.in_features, module.out_features), module)
         hidden = self.model.embed_tokens.weight.shape[1]
+        projections = [(m, m.in_features) for m in shapes.values()]
+        projections.append((self.compute_logits, hidden))
         dtype = self.model.embed_tokens.weight.dtype
-        runs = [(m, m.in_features, product_rows(max_tokens)) for m in shapes.values()]
-        runs.append((self.compute_logits, hidden, product_rows(max_rows)))
         with torch.inference_mode():
-            for projection, features, row_counts in runs:
-                for rows in row_counts:
+            for rows in range(1, max_rows + 1):
+                for projection, features in projections:
                     projection(torch.zeros(rows, features, dtype=dtype))
 
     def prepack(self) -> None:

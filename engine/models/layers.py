@@ -214,19 +214,6 @@ CPU_PACKED_MAX_OUT = 2048
 # shapes overflow it, and then kernels are built again and again (~0.3 ms each): at 256 batch
 # sizes, a sweep over them all ran 2.4x slower the second time than with room for every one.
 ONEDNN_CACHE_CAPACITY = 8192
-# A prefill step's row count is new almost every step, and oneDNN's first product at a new row
-# count costs 5-30 ms more than the product (it builds the kernel): ~40 products a step of a
-# small model. Above a decode batch's size, rows are padded to a multiple of 64, so a model's
-# products meet at most 64 row counts up to 4,096 tokens, each built once.
-EXACT_ROWS = 256
-PADDED_ROWS = 64
-
-
-def product_rows(max_rows: int) -> list[int]:
-    """Every row count a prepacked product runs at for inputs of 1 to `max_rows` rows."""
-    padded_max = -(-max_rows // PADDED_ROWS) * PADDED_ROWS
-    padded = range(EXACT_ROWS + PADDED_ROWS, padded_max + 1, PADDED_ROWS)
-    return [*range(1, min(max_rows, EXACT_ROWS) + 1), *padded]
 
 
 @functools.cache
@@ -266,14 +253,8 @@ class PrepackedLinear:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).contiguous()
-        rows = flat.shape[0]
-        if rows > EXACT_ROWS and rows % PADDED_ROWS:
-            padded = flat.new_empty(-(-rows // PADDED_ROWS) * PADDED_ROWS, flat.shape[1])
-            padded[:rows] = flat
-            padded[rows:].zero_()
-            flat = padded
         out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, bias, "none", [], "")
-        return out[:rows].view(*x.shape[:-1], self.out_features)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 class RotaryEmbedding(nn.Module):
