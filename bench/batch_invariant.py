@@ -67,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="auto", help="both engines' dtype (default: theirs)")
     ap.add_argument("--quick", action="store_true", help="32 requests, one round")
     ap.set_defaults(skip_hf=True)
     args = ap.parse_args(argv)
@@ -80,8 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
     m: BenchModel = set_up(args)
     try:
         engines = {
-            "default": LLM(str(m.path)),
-            "invariant": LLM(str(m.path), batch_invariant=True),
+            "default": LLM(str(m.path), dtype=args.dtype),
+            "invariant": LLM(str(m.path), dtype=args.dtype, batch_invariant=True),
         }
         for llm in engines.values():
             llm.warm_up()

@@ -12,7 +12,13 @@ import torch
 from conveyor.cli.engine_options import add_engine_arguments, engine_config
 from conveyor.demo_model import write_tiny_model
 from conveyor.engine import LLM, SamplingParams
-from conveyor.engine.batch_invariant import PART_TILES, ROW_TILE, in_row_tiles, tiles_for
+from conveyor.engine.batch_invariant import (
+    GROUP_ROWS,
+    PART_TILES,
+    ROW_TILE,
+    in_row_tiles,
+    tiles_for,
+)
 from conveyor.kernels.metadata import BatchTables
 from tests.hf_reference import random_prompts
 
@@ -37,22 +43,31 @@ def test_products_meet_the_same_shapes_whatever_the_row_count():
     assert torch.allclose(whole, x @ weight.T + ROW_TILE)
     # leading dimensions are kept
     assert in_row_tiles(product, x[:6].view(2, 3, 16)).shape == (2, 3, 24)
-    # with smaller tiles allowed, the rows left over take the smallest that holds them
+    # with smaller tiles allowed, the rows left over take the smallest that holds them; with
+    # groups allowed, whole groups go first
     shapes.clear()
     in_row_tiles(product, x[: ROW_TILE + 20], (16, 32, ROW_TILE))
     assert shapes == [ROW_TILE, 32]
+    shapes.clear()
+    in_row_tiles(
+        product, torch.randn(GROUP_ROWS * 2 + ROW_TILE + 3, 16), (16, ROW_TILE, GROUP_ROWS)
+    )
+    assert shapes == [GROUP_ROWS, GROUP_ROWS, ROW_TILE, 16]
 
 
 def test_a_smaller_tile_is_used_only_where_it_gives_the_same_bits():
     weight = torch.randn(24, 16)
     exact = functools.partial(torch.nn.functional.linear, weight=weight)
-    assert tiles_for([(exact, weight.new_empty(1, 16))]) == (*PART_TILES, ROW_TILE)
+    assert tiles_for([(exact, weight.new_empty(1, 16))]) == (*PART_TILES, ROW_TILE, GROUP_ROWS)
 
-    def sums_otherwise_below_32_rows(rows: torch.Tensor) -> torch.Tensor:
+    def sums_otherwise_below_32_rows_and_above_64(rows: torch.Tensor) -> torch.Tensor:
         out = rows @ weight.T
-        return out if rows.shape[0] >= 32 else out + 1e-6
+        return out if 32 <= rows.shape[0] <= ROW_TILE else out + 1e-6
 
-    products = [(exact, weight.new_empty(1, 16)), (sums_otherwise_below_32_rows, weight[:1])]
+    products = [
+        (exact, weight.new_empty(1, 16)),
+        (sums_otherwise_below_32_rows_and_above_64, weight[:1]),
+    ]
     assert tiles_for(products) == (32, 48, ROW_TILE)
 
 
