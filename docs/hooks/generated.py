@@ -33,6 +33,7 @@ BENCH_COLUMNS = {
     "reuse": ["lines", "first_s", "rerun_s", "rerun_share_of_first", "edited_reused",
               "other_weights_reused", "lookup_sqlite_s", "lookup_postgresql_s"],
     "stop_strings": ["cpu_isa", "ratios", "end_to_end", "host_ms_per_step_256"],
+    "batch_invariant": ["cpu_isa", "dtype", "ratio", "ratios", "identical_alone"],
     "triton_decode_sweep": ["device", "DECODE_BLOCK_N", "DECODE_NUM_WARPS",
                             "DECODE_NUM_STAGES", "share_of_copy"],
 }  # fmt: skip
