@@ -39,17 +39,9 @@ class Reusable:
 # filled table drove the query from the project's batches (45 ms instead of 1 ms for 32 keys
 # among 100,000 results), and SQLite did as soon as the key came first in the index (a minute
 # and more for 100,000 keys; bench/reuse_lookup.py); ordered by `seq`, PostgreSQL may walk the
-# primary key in order and filter every row.
-_FIND = select(
-    ResultRow.seq,
-    ResultRow.request_key,
-    ResultRow.output,
-    ResultRow.batch_id,
-    ResultRow.line_id,
-    ResultRow.prompt_tokens,
-    ResultRow.completion_tokens,
-    ResultRow.cached_tokens,
-).where(
+# primary key in order and filter every row. Only the picked results' lines are read: a key
+# reused every night has a result per night, and all but the first would be read for nothing.
+_FIND = select(ResultRow.seq, ResultRow.request_key, ResultRow.batch_id).where(
     ResultRow.request_key.in_(bindparam("keys", expanding=True)),
     ResultRow.fingerprint == bindparam("fingerprint"),
     ResultRow.ok.is_(True),
@@ -58,6 +50,15 @@ _OWNED = select(BatchRow.id).where(
     BatchRow.id.in_(bindparam("batch_ids", expanding=True)),
     BatchRow.project == bindparam("project"),
 )
+_READ = select(
+    ResultRow.request_key,
+    ResultRow.output,
+    ResultRow.batch_id,
+    ResultRow.line_id,
+    ResultRow.prompt_tokens,
+    ResultRow.completion_tokens,
+    ResultRow.cached_tokens,
+).where(ResultRow.seq.in_(bindparam("seqs", expanding=True)))
 
 
 def find_reusable(
@@ -75,9 +76,13 @@ def find_reusable(
         if unseen:
             mine = set(session.scalars(_OWNED, {"batch_ids": unseen, "project": project}))
             owned.update((batch_id, batch_id in mine) for batch_id in unseen)
-        for _seq, key, *rest in sorted(rows):  # by seq: the earliest first
-            if owned[rest[1]]:
-                found.setdefault(key, Reusable(*rest))
+        earliest: dict[str, int] = {}
+        for seq, key, batch_id in sorted(rows):  # by seq: the earliest first
+            if owned[batch_id]:
+                earliest.setdefault(key, seq)
+        if earliest:
+            for key, *rest in session.execute(_READ, {"seqs": sorted(earliest.values())}):
+                found[key] = Reusable(*rest)
     return found
 
 
