@@ -332,10 +332,12 @@ class DecoderForCausalLM(nn.Module):
 
     def use_batch_invariance(self) -> None:
         """Every product in tiles of fixed rows (`engine.batch_invariant`): a row's result no
-        longer depends on how many rows its step has."""
+        longer depends on how many rows its step has. Each kind of projection is checked once
+        (`RowTiled.tile_kind`), not once per layer."""
+        known: dict[tuple, tuple[int, ...]] = {}
         for module in self.modules():
             if isinstance(module, RowTiled):
-                module.use_row_tiles()
+                module.use_row_tiles(known)
         product = self.lm_head if self.packed_lm_head is None else self.packed_lm_head
         hidden = self.model.embed_tokens.weight
         self.logit_tiles = tiles_for([(product, hidden.new_empty(1, hidden.shape[1]))])

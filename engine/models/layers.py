@@ -137,8 +137,17 @@ class RowTiled:
         """Each product the module runs, with an input row of its width, dtype and device."""
         raise NotImplementedError
 
-    def use_row_tiles(self) -> None:
-        self.row_tiles = tiles_for(self.tile_products())
+    def tile_kind(self) -> tuple:
+        """What decides the order of the module's sums (kind, shapes, dtype, device, layout):
+        modules of one kind may run the same tiles, whatever their weights hold."""
+        raise NotImplementedError
+
+    def use_row_tiles(self, known: dict[tuple, tuple[int, ...]]) -> None:
+        """Set `row_tiles`, checked once per kind of module (`known`: kind -> tiles)."""
+        kind = self.tile_kind()
+        if kind not in known:
+            known[kind] = tiles_for(self.tile_products())
+        self.row_tiles = known[kind]
 
 
 class Linear(RowTiled, nn.Linear):
@@ -161,6 +170,11 @@ class Linear(RowTiled, nn.Linear):
 
     def tile_products(self) -> list[tuple[Product, torch.Tensor]]:
         return [(self._product, self.weight.new_empty(1, self.in_features))]
+
+    def tile_kind(self) -> tuple:
+        w = self.weight
+        packed, bias = self.packed is not None, self.bias is not None
+        return ("linear", self.in_features, self.out_features, w.dtype, w.device, packed, bias)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

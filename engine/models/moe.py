@@ -87,6 +87,10 @@ class Experts(RowTiled, RunsActivation, nn.Module):
             for w in (self.gate_up, self.down)
         ]
 
+    def tile_kind(self) -> tuple:
+        w = self.gate_up
+        return ("experts", tuple(w.shape[1:]), tuple(self.down.shape[1:]), w.dtype, w.device)
+
     def prepack(self) -> None:
         """Once the weights are loaded: grouped products where this device runs them."""
         reason = grouped_mm_supported(self.gate_up.device, self.gate_up.dtype)

@@ -71,6 +71,20 @@ def test_a_smaller_tile_is_used_only_where_it_gives_the_same_bits():
     assert tiles_for(products) == (32, 48, ROW_TILE)
 
 
+def test_each_kind_of_projection_is_checked_once_not_once_per_layer(checkpoints, monkeypatch):
+    from conveyor.engine.models import layers
+
+    llm = LLM(str(checkpoints["llama"]), device="cpu", dtype="float32", batch_invariant=True)
+    model = llm.runner.model
+    checked = []
+    monkeypatch.setattr(layers, "tiles_for", lambda p: checked.append(p) or (ROW_TILE,))
+    model.use_batch_invariance()
+    projections = [m for m in model.modules() if isinstance(m, layers.Linear)]
+    assert len(projections) == 4 * 2  # q/k/v, o, gate/up and down in each of two layers
+    assert len(checked) == 4
+    assert all(m.row_tiles == (ROW_TILE,) for m in projections)
+
+
 def test_every_prefill_query_becomes_a_decode_of_its_own():
     # one decode at context 9, then chunks of 3 queries (context 5 -> 8) and 2 (0 -> 2)
     tables = BatchTables([[7, 8]], [9], [[1, 2], [3]], [8, 2], [0, 3, 5])
