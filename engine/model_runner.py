@@ -50,8 +50,8 @@ class ModelRunner:
         self.layout = layout or KVLayout.single(model.layer_windows())
         # shared prefixes read once per step for all their sequences (the CPU backends); not in
         # batch-invariant mode, where a prefix's sums would depend on who shares it
-        self.cascade = getattr(backend, "cascade", False) and device.type == "cpu"
-        self.cascade = self.cascade and not batch_invariant
+        cascade = getattr(backend, "cascade", False) and device.type == "cpu"
+        self.cascade = cascade and not batch_invariant
         self.batch_invariant = batch_invariant
         # the Triton decode's split of long contexts is chosen from the batch's size unless fixed
         self.decode_splits = 1 if batch_invariant else None
