@@ -167,6 +167,22 @@ class EngineConfig:
         type=float,
         metavar="SECONDS",
     )
+    urgent_share: float = _option(
+        0.1,
+        "the share of the engine's tokens that requests of a more urgent priority (online "
+        "ones) may take while less urgent work (a batch) waits or runs; 1 lets them take all "
+        "(default 0.1)",
+        type=float,
+        metavar="SHARE",
+    )
+    urgent_share: float = _option(
+        0.1,
+        "the share of the tokens the engine computes that requests of a more urgent "
+        "priority (online ones) may take while less urgent work (a batch) is present; 1 lets "
+        "them take all (default 0.1)",
+        type=float,
+        metavar="SHARE",
+    )
     attention_backend: str = _option(
         "auto", "attention implementation: auto or a backend name the engine knows (default auto)"
     )
@@ -256,6 +272,8 @@ class EngineConfig:
             )
         if self.max_waiting_time < 0:
             raise ValueError(f"max_waiting_time must be >= 0 seconds, got {self.max_waiting_time}")
+        if not 0 < self.urgent_share <= 1:
+            raise ValueError(f"urgent_share must be in (0, 1], got {self.urgent_share}")
         if self.prompt_logprobs_memory < 1:
             raise ValueError(
                 f"prompt_logprobs_memory must be positive, got {self.prompt_logprobs_memory}"

@@ -149,6 +149,7 @@ class LLMEngine:
             cache_aware=config.admission_policy == "cache_aware",
             lpm_max_waiting=config.lpm_max_waiting,
             max_waiting_time=config.max_waiting_time,
+            urgent_share=config.urgent_share,
         )
 
     def _load_model(self, model: str) -> DecoderForCausalLM:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from conveyor.engine.block_manager import BlockManager
 from conveyor.engine.sequence import Sequence, SequenceStatus
+from conveyor.engine.urgent_share import UrgentShare
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Scheduler:
         cache_aware: bool = True,
         lpm_max_waiting: int = 128,
         max_waiting_time: float = 30.0,
+        urgent_share: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.block_manager = block_manager
@@ -75,6 +77,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
         self.least_urgent = 0  # the highest priority number ever added
+        self.urgent = UrgentShare(urgent_share, max_num_batched_tokens)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -95,7 +98,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted = False
-        self._make_room_for_priority()
+        bound = self._bounded_priority()
+        if bound is None or self.urgent.has_credit():
+            self._make_room_for_priority()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -113,9 +118,37 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
+        num_running = len(scheduled)
         if not preempted:
-            self._admit(scheduled, budget)
+            self._admit(scheduled, budget, bound)
+        if self.urgent.bounded:
+            self._count_urgent(scheduled, num_running, bound)
         return scheduled
+
+    def _count_urgent(
+        self, scheduled: list[ScheduledSeq], num_running: int, bound: int | None
+    ) -> None:
+        """Refill the urgent bucket by a step and draw what its urgent sequences compute,
+        but for those it admitted (the items past `num_running`), which drew their tokens as
+        they were admitted."""
+        urgent = 0
+        if bound is not None:
+            urgent = sum(
+                item.num_new_tokens
+                for item in scheduled[:num_running]
+                if item.seq.request.priority < bound
+            )
+        tokens = sum(item.num_new_tokens for item in scheduled)
+        self.urgent.step_done(tokens, urgent, bound is not None)
+
+    def _bounded_priority(self) -> int | None:
+        """The least urgent priority present when work more urgent than it is bounded by
+        the urgent share; None when nothing is bounded."""
+        if not self.urgent.bounded or self.least_urgent == 0:
+            return None
+        waiting = max((p for p, n in self.waiting_priorities.items() if n), default=0)
+        running = max((s.request.priority for s in self.running), default=0)
+        return max(waiting, running) or None
 
     def _make_room_for_priority(self) -> None:
         """Preempt running sequences of a lower priority (a higher number), most recently
@@ -141,7 +174,7 @@ class Scheduler:
             self.running.remove(victim)
             self._preempt(victim)
 
-    def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> None:
+    def _admit(self, scheduled: list[ScheduledSeq], budget: int, bound: int | None) -> None:
         if budget <= 0 or len(self.running) >= self.max_num_seqs or not self.waiting:
             return
         bm = self.block_manager
@@ -150,6 +183,9 @@ class Scheduler:
         for seq in self._admission_order():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            urgent = bound is not None and seq.request.priority < bound
+            if urgent and not self.urgent.has_credit():
+                continue  # the urgent share is spent: less urgent work goes on
             hits = bm.match_prefix(seq)
             if (
                 in_flight
@@ -175,6 +211,8 @@ class Scheduler:
             self._count_prompt_tokens(seq, num_new)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+            if urgent:
+                self.urgent.admit(num_new)
             if self.cache_aware:
                 in_flight.update(self._uncomputed_prompt_keys(seq))
         if admitted:
