@@ -20,6 +20,7 @@ import os
 import torch
 import torch._dynamo
 
+from conveyor.kernels.compile_limits import allow_model_variants
 from conveyor.kernels.cpu_build import cache_dir, cxx
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ def _persistent_cache() -> None:
 
 
 _persistent_cache()
+allow_model_variants()
 _compiled = torch.compile(_decode_core, dynamic=False)
 
 

@@ -1,0 +1,24 @@
+"""How many variants of one compiled function torch.compile keeps before it gives up on it.
+
+Each model shape and dtype a process loads compiles the CPU kernels again (their head counts,
+head size and dtype are static: inductor unrolls over them), and past dynamo's default of 8
+variants a function silently runs eagerly from then on: in another order of summation, so the
+same request would get other bits from one engine than from the one before it, and
+batch-invariant mode would hold only until the ninth model. A process that loads several models
+(a notebook, a test session) gets room for them instead.
+"""
+
+from __future__ import annotations
+
+import torch._dynamo
+
+RECOMPILE_LIMIT = 256
+
+
+def allow_model_variants() -> None:
+    """Raise dynamo's per-function recompile limit to `RECOMPILE_LIMIT` (never lower it)."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+    config.accumulated_recompile_limit = max(
+        config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT
+    )
