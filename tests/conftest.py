@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import random
 
 import torch
 
@@ -19,8 +20,12 @@ if not torch.cuda.is_available():
 os.environ.setdefault("CONVEYOR_DTYPE", "float32")
 os.environ.setdefault("CONVEYOR_ATTENTION_BACKEND", "torch")
 os.environ.setdefault("CONVEYOR_ELEMENTWISE", "eager")
+# Run side by side (pytest-xdist, one process per core), each test process computes on one
+# thread: two processes of a thread per core each would otherwise spin on each other's cores.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    torch.set_num_threads(1)
 
-from collections.abc import Callable, Iterator  # noqa: E402
+from collections.abc import Callable, Iterator, Sequence  # noqa: E402
 from contextlib import AbstractContextManager, ExitStack  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -79,9 +84,38 @@ def database_url(postgres_server: str, template_database: str) -> Iterator[str]:
         yield normalize_database_url(url)
 
 
+class RedisDatabases:
+    """The Redis databases (1-15) this test process uses, in turn. Under pytest-xdist each
+    worker has its own share of them, so tests running side by side never empty each other's;
+    one that a module's service keeps (`hold`) leaves the rotation."""
+
+    def __init__(self, numbers: Sequence[int]) -> None:
+        # a random start: separate runs on one Redis server rarely meet
+        self.numbers, self.next, self.held = list(numbers), random.randrange(len(numbers)), set()
+
+    def url(self, server: str, hold: bool = False) -> str:
+        free = [n for n in self.numbers if n not in self.held]
+        if not free:
+            pytest.fail(f"no Redis test database left among {self.numbers}")
+        number = free[self.next % len(free)]
+        self.next += 1
+        if hold:
+            self.held.add(number)
+        return databases.redis_database(server, number)
+
+
+@pytest.fixture(scope="session")
+def redis_databases(request: pytest.FixtureRequest) -> RedisDatabases:
+    worker = getattr(request.config, "workerinput", None)  # set on pytest-xdist's workers
+    if worker is None:
+        return RedisDatabases(databases.REDIS_TEST_DBS)
+    index, count = int(worker["workerid"].removeprefix("gw")), worker["workercount"]
+    return RedisDatabases(databases.REDIS_TEST_DBS[index::count])
+
+
 @pytest.fixture
-def redis_url(redis_server: str) -> str:
-    return databases.random_redis_database(redis_server)
+def redis_url(redis_server: str, redis_databases: RedisDatabases) -> str:
+    return redis_databases.url(redis_server)
 
 
 @pytest.fixture(scope="session")

@@ -26,10 +26,14 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 @pytest.fixture(scope="module")
 def api(
-    postgres_server: str, redis_server: str, template_database: str, tmp_path_factory
+    postgres_server: str,
+    redis_server: str,
+    template_database: str,
+    tmp_path_factory,
+    redis_databases,
 ) -> Iterator[str]:
     root = tmp_path_factory.mktemp("api-validation")
-    redis_url = databases.random_redis_database(redis_server)
+    redis_url = redis_databases.url(redis_server, hold=True)
     with databases.scratch_database(postgres_server, "conveyor_t_", template_database) as url:
         env = service_env(normalize_database_url(url), redis_url, root)
         stack = Stack(env=env, root=root)

@@ -53,11 +53,15 @@ class Service:
 
 @pytest.fixture(scope="module")
 def service(
-    postgres_server: str, redis_server: str, template_database: str, tmp_path_factory
+    postgres_server: str,
+    redis_server: str,
+    template_database: str,
+    tmp_path_factory,
+    redis_databases,
 ) -> Iterator[Service]:
     root = tmp_path_factory.mktemp("ui")
     (root / "secured").mkdir()
-    redis_url = databases.random_redis_database(redis_server)
+    redis_url = redis_databases.url(redis_server, hold=True)
     with databases.scratch_database(postgres_server, "conveyor_t_", template_database) as url:
         env = stack_env(normalize_database_url(url), redis_url, root)
         # two requests a quarter second: a batch of 40 takes about 5 s, long enough to watch
