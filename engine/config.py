@@ -169,14 +169,6 @@ class EngineConfig:
     )
     urgent_share: float = _option(
         0.1,
-        "the share of the engine's tokens that requests of a more urgent priority (online "
-        "ones) may take while less urgent work (a batch) waits or runs; 1 lets them take all "
-        "(default 0.1)",
-        type=float,
-        metavar="SHARE",
-    )
-    urgent_share: float = _option(
-        0.1,
         "the share of the tokens the engine computes that requests of a more urgent "
         "priority (online ones) may take while less urgent work (a batch) is present; 1 lets "
         "them take all (default 0.1)",

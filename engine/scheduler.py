@@ -7,7 +7,8 @@ the token budget, the sequence limit and the pool allow. A long prompt is split 
 steps (chunked prefill).
 
 A request of a more urgent priority (a lower number: online requests before batch work) is
-admitted first, preempting running sequences of a less urgent one when it has no room. Within a
+admitted first, preempting running sequences of a less urgent one when it has no room, but only
+while it has credit left of its share of the tokens (`urgent_share.UrgentShare`). Within a
 priority, admission is cache-aware (SGLang's longest-prefix-match): waiting sequences with the
 longest prefix already in the cache go first, and a sequence whose next uncached block is being
 computed right now by another sequence waits for it instead of computing the same KV again.
