@@ -10,6 +10,10 @@ batch-invariant mode would hold only until the ninth model. A process that loads
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import torch
 import torch._dynamo
 
 RECOMPILE_LIMIT = 256
@@ -22,3 +26,10 @@ def allow_model_variants() -> None:
     config.accumulated_recompile_limit = max(
         config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT
     )
+
+
+def compile_kernel(fn: Callable[..., Any], *, dynamic: bool) -> Callable[..., Any]:
+    """`torch.compile(fn)` with room for every model the process loads: where Conveyor
+    compiles its CPU kernels."""
+    allow_model_variants()
+    return torch.compile(fn, dynamic=dynamic)

@@ -20,7 +20,7 @@ import os
 import torch
 import torch._dynamo
 
-from conveyor.kernels.compile_limits import allow_model_variants
+from conveyor.kernels.compile_limits import compile_kernel
 from conveyor.kernels.cpu_build import cache_dir, cxx
 
 log = logging.getLogger(__name__)
@@ -73,8 +73,7 @@ def _persistent_cache() -> None:
 
 
 _persistent_cache()
-allow_model_variants()
-_compiled = torch.compile(_decode_core, dynamic=False)
+_compiled = compile_kernel(_decode_core, dynamic=False)
 
 
 def _mark_dynamic(query, k_cache, v_cache, tables, lens, first) -> None:

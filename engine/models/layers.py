@@ -14,7 +14,7 @@ from torch import nn
 
 from conveyor.engine.batch_invariant import Product, in_row_tiles, tiles_for
 from conveyor.kernels import native_layers
-from conveyor.kernels.compile_limits import allow_model_variants
+from conveyor.kernels.compile_limits import compile_kernel
 
 # How a module runs its elementwise steps (norms, rope, activation): torch's eager ops, fused
 # loops compiled by inductor, `kernels.native_layers` (bfloat16, AVX512-BF16 CPUs) or
@@ -48,8 +48,7 @@ def add_rms_norm(
 def compiled_rms_norm() -> Callable[..., torch.Tensor]:
     """`rms_norm` as one fused loop (inductor): on the CPU eager bfloat16 makes four passes
     and converts twice, 20x slower at 4,096 tokens. One graph for every token count."""
-    allow_model_variants()
-    compiled = torch.compile(rms_norm, dynamic=True)
+    compiled = compile_kernel(rms_norm, dynamic=True)
 
     def run(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         any_token_count(x)
@@ -61,8 +60,7 @@ def compiled_rms_norm() -> Callable[..., torch.Tensor]:
 @functools.cache
 def compiled_add_rms_norm() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """`add_rms_norm` as one fused loop (inductor)."""
-    allow_model_variants()
-    compiled = torch.compile(add_rms_norm, dynamic=True)
+    compiled = compile_kernel(add_rms_norm, dynamic=True)
 
     def run(x, residual, weight, eps):
         any_token_count(x, residual)
@@ -335,8 +333,7 @@ def apply_rope(rope: Rope, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tens
 def compiled_apply_rope() -> Callable[[Rope, torch.Tensor, torch.Tensor], tuple]:
     """`apply_rope` as one fused loop per tensor (inductor): eager makes six passes and two
     concatenations. One graph for every token count."""
-    allow_model_variants()
-    compiled = torch.compile(apply_rope, dynamic=True)
+    compiled = compile_kernel(apply_rope, dynamic=True)
 
     def run(rope: Rope, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         any_token_count(*rope, q, k)
