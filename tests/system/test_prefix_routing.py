@@ -84,10 +84,13 @@ def test_killing_one_worker_moves_its_share(stack: Stack, chat_model: Path, tmp_
     stack.start_worker("w2", chat_model, "--concurrency", "2")
     sys_a, sys_b = systems_owned_by(["w1", "w2"])
     batches = []
-    # long enough outputs that w1 is still busy with its share when it is killed (with 24
-    # tokens a fast engine could finish all of it between the poll and the kill)
+    # every line runs its full length (a random model can emit EOS within a few tokens), so w1
+    # takes 5 rounds of 2 shards x 160 steps for its share: when its first round's results
+    # appear, 4 rounds are left, far more than the time between the poll and the kill
     for i, system in enumerate([sys_a, sys_b, sys_a, sys_b]):
-        lines = batch_lines(40, system=system, prefix=f"k{i}", max_tokens=96)
+        lines = batch_lines(40, system=system, prefix=f"k{i}", max_tokens=160)
+        for line in lines:
+            line["body"]["ignore_eos"] = True
         batches.append((submit(api, write_jsonl(tmp_path / f"{i}.jsonl", lines)), lines))
     wait_results(stack, batches[0][0]["id"], 3)
     stack.kill("w1")
