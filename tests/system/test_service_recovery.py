@@ -133,7 +133,11 @@ def test_cancel_mid_run(stack: Stack, chat_model: Path, tmp_path: Path):
 def test_worker_sigkill_mid_batch(stack: Stack, chat_model: Path, tmp_path: Path):
     api = stack.start_api()
     stack.start_worker("w1", chat_model, "--concurrency", "4")
-    lines = batch_lines(120, max_tokens=32)
+    # every line runs its full length (a random model can emit EOS early): 4 rounds of 4 shards
+    # x 96 steps, so 3 are left when the first round's results appear
+    lines = batch_lines(120, max_tokens=96)
+    for line in lines:
+        line["body"]["ignore_eos"] = True
     batch = submit(api, write_jsonl(tmp_path / "in.jsonl", lines))
     wait_results(stack, batch["id"], 10)
     deadline = time.time() + 60
