@@ -7,6 +7,11 @@ at once from this thread. Answers go out from a thread of their own, so the engi
 waits on the bus, and cancellations (a client that went away) come in on another, so that its
 sequences are aborted before the engine's next step, not when this thread next looks.
 
+A streamed request's chunks are made on the answers' thread too, from the newest output of each
+of its prompts: the engine's thread only hands the output over. When the answers fall behind the
+engine (many streams at once), the tokens of several steps go out in one chunk, so a busy worker
+spends its time on tokens rather than on messages about them.
+
 A 500 says only "internal error" and the request's id, which the worker's log line carries with
 the details; a 4xx names the field at fault.
 """
@@ -81,6 +86,14 @@ class _Call:
     outputs: dict[int, Any] = field(default_factory=dict)
     engine_ids: list[str] = field(default_factory=list)
     over: bool = False
+    # a stream's outputs not yet made into chunks, the newest per prompt; `queued` while the
+    # call waits in the outbox, `complete` once every prompt finished, `closed` once its last
+    # answer is made
+    pending: dict[int, RequestOutput] = field(default_factory=dict)
+    queued: bool = False
+    complete: bool = False
+    closed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class OnlineServer(threading.Thread):
@@ -100,7 +113,8 @@ class OnlineServer(threading.Thread):
         self.stopped = threading.Event()
         self.calls: dict[str, _Call] = {}  # request id -> call in the engine
         self.lock = threading.Lock()
-        self.outbox: queue.SimpleQueue[tuple[str, dict[str, Any]]] = queue.SimpleQueue()
+        # answers, and streamed calls whose chunks are to be made when their turn comes
+        self.outbox: queue.SimpleQueue[tuple[str, dict[str, Any] | _Call]] = queue.SimpleQueue()
         self.sender = threading.Thread(target=self._send, name="conveyor-online-answers")
         self.sender.daemon = True
         self.canceller = threading.Thread(target=self._take_cancels, name="conveyor-online-cancels")
@@ -229,18 +243,52 @@ class OnlineServer(threading.Thread):
         if finished:
             call.outputs[prompt] = output
         if call.stream is not None:
-            chunks = call.stream.chunks(prompt, output)
-            if len(call.outputs) < len(call.online.requests):
-                self._answer(call.message, {"chunks": chunks})
-                return
-            if call.online.include_usage:
-                chunks.append(call.stream.usage_chunk(self._body(call)["usage"]))
-            self._finish(call, {"status": 200, "chunks": chunks})
+            self._hand_over(call, prompt, output)
         elif len(call.outputs) == len(call.online.requests):
             body = self._body(call)
             if call.message.kind == "responses":
                 body = response_from_chat(call.online.requests[0], body)
             self._finish(call, {"status": 200, "body": body})
+
+    def _hand_over(self, call: _Call, prompt: int, output: RequestOutput) -> None:
+        """Give a stream's output to the answers' thread; one already waiting there is replaced
+        (outputs hold everything so far, so the newest makes the chunks of both)."""
+        complete = len(call.outputs) == len(call.online.requests)
+        if complete:
+            call.over = True
+            with self.lock:
+                self.calls.pop(call.message.request_id, None)
+        with call.lock:
+            call.pending[prompt] = output
+            call.complete = complete
+            if call.queued:
+                return
+            call.queued = True
+        self.outbox.put((call.message.request_id, call))
+
+    def _stream_answer(self, call: _Call) -> dict[str, Any] | None:
+        """The answer that carries a stream's new chunks (its last one, with the usage, once
+        every prompt finished); None when there is nothing to send."""
+        with call.lock:
+            pending, call.pending, call.queued = call.pending, {}, False
+            complete = call.complete
+            if call.closed:
+                return None
+            call.closed = complete
+        assert call.stream is not None
+        try:
+            chunks = [c for i in sorted(pending) for c in call.stream.chunks(i, pending[i])]
+            if not complete:
+                return {"chunks": chunks, "last": False} if chunks else None
+            if call.online.include_usage:
+                chunks.append(call.stream.usage_chunk(self._body(call)["usage"]))
+        except Exception as err:
+            log.exception("online request %s: no chunks could be made", call.message.request_id)
+            with call.lock:
+                call.closed = True
+            self._retire(call)
+            return {**self._error_answer(call, err), "last": True}
+        return {"status": 200, "chunks": chunks, "last": True}
 
     def _body(self, call: _Call) -> dict[str, Any]:
         """The chat completion or completion object of a finished call."""
@@ -263,6 +311,13 @@ class OnlineServer(threading.Thread):
         return error_answer(error.status_code, error.detail, error.code, param)
 
     def _finish(self, call: _Call, answer: dict[str, Any]) -> None:
+        with call.lock:
+            call.closed = True  # a stream's chunks not yet made stay unsent
+        self._retire(call)
+        self._answer(call.message, answer)
+
+    def _retire(self, call: _Call) -> None:
+        """No more of `call` runs: it leaves the calls in flight and the engine."""
         call.over = True
         with self.lock:
             self.calls.pop(call.message.request_id, None)
@@ -271,7 +326,6 @@ class OnlineServer(threading.Thread):
         ]
         if unfinished:
             self.service.abort(unfinished)
-        self._answer(call.message, answer)
 
     def _abort_overdue(self) -> None:
         now = time.time()
@@ -286,6 +340,8 @@ class OnlineServer(threading.Thread):
         with self.lock:
             if self.calls.pop(call.message.request_id, None) is None:
                 return  # it finished meanwhile
+        with call.lock:
+            call.closed = True  # nobody reads what was not sent
         self.service.abort(call.engine_ids)
         ONLINE_ABORTS.labels(call.model, reason).inc()
 
@@ -323,17 +379,29 @@ class OnlineServer(threading.Thread):
 
     def _send(self) -> None:
         while True:
-            answers = [self.outbox.get()]
-            while len(answers) < ANSWERS_PER_SEND:  # what queued meanwhile goes along
+            taken = [self.outbox.get()]
+            while len(taken) < ANSWERS_PER_SEND:  # what queued meanwhile goes along
                 try:
-                    answers.append(self.outbox.get_nowait())
+                    taken.append(self.outbox.get_nowait())
                 except queue.Empty:
                     break
-            try:
-                self.bus.answer(answers)
-            except Exception:
-                ids = sorted({request_id for request_id, _ in answers})
-                log.warning("could not answer online requests %s", ids, exc_info=True)
+            self._send_round(taken)
+
+    def _send_round(self, taken: list[tuple[str, dict[str, Any] | _Call]]) -> None:
+        """Send the answers `taken` from the outbox in one round trip, a stream's chunks made
+        now from its newest outputs."""
+        answers = []
+        for request_id, item in taken:
+            answer = self._stream_answer(item) if isinstance(item, _Call) else item
+            if answer is not None:
+                answers.append((request_id, answer))
+        if not answers:
+            return
+        try:
+            self.bus.answer(answers)
+        except Exception:
+            ids = sorted({request_id for request_id, _ in answers})
+            log.warning("could not answer online requests %s", ids, exc_info=True)
 
 
 def error_answer(

@@ -243,3 +243,66 @@ def test_an_online_chat_answers_with_its_thinking_apart(served):
     choice = answer["body"]["choices"][0]["message"]
     assert (choice["content"], choice["reasoning"]) == ("4", "two and two")
     assert answer["body"]["usage"]["completion_tokens_details"]["reasoning_tokens"] == 3
+
+
+def streamed_output(job: EngineJob, ids: list[int], finished: bool = False) -> RequestOutput:
+    text = " ".join(map(str, ids))
+    comp = CompletionOutput(0, text, ids, None, None, "length" if finished else None)
+    return RequestOutput(job.request_id, "a b c", [1], None, [comp], finished=finished)
+
+
+def sent_answers(bus: LocalBus, message: OnlineMessage) -> list[dict]:
+    async def every() -> list[dict]:
+        got = []
+        async for answer in bus.answers(message):
+            got.append(answer)
+            if answer.get("last"):
+                return got
+        return got
+
+    return asyncio.run(every())
+
+
+def texts(answers: list[dict]) -> list[str]:
+    return [chunk["choices"][0]["text"] for a in answers for chunk in a["chunks"]]
+
+
+def test_a_stream_whose_answers_fall_behind_sends_several_steps_in_one_chunk():
+    engine = ModelLike()
+    bus, service = LocalBus(), RecordingService()
+    server = OnlineServer(bus, [QUEUE], service, engine, TokenDecoder(engine.tokenizer), None)
+    message = completion(stream=True, max_tokens=3)
+    bus.send(QUEUE, message)
+    server._handle(bus.take([QUEUE], timeout=1))  # not started: the outbox fills until sent
+    (job,) = service.jobs
+    job.on_partial(streamed_output(job, [7]))
+    job.on_partial(streamed_output(job, [7, 8]))
+    server._send_round([server.outbox.get_nowait()])
+    job.on_partial(streamed_output(job, [7, 8, 9]))
+    job.on_done(streamed_output(job, [7, 8, 9, 10], finished=True))
+    taken = [server.outbox.get_nowait()]
+    assert server.outbox.empty()  # the stream waits in the outbox once, however many steps
+    server._send_round(taken)
+
+    first, last = sent_answers(bus, message)
+    assert not first["last"] and last["last"] and last["status"] == 200
+    # the opening chunk, then what each round had: two steps, then two more and the end
+    assert texts([first]) == ["", "7 8"]
+    assert texts([last]) == [" 9 10", ""]
+    assert last["chunks"][-1]["choices"][0]["finish_reason"] == "length"
+    assert server.calls == {}
+
+
+def test_a_stream_cancelled_with_chunks_unsent_sends_none_of_them(served):
+    bus, service, server = served
+    server.stop()
+    server.join(timeout=5)
+    message = completion(stream=True)
+    bus.send(QUEUE, message)
+    server._handle(bus.take([QUEUE], timeout=1))
+    (job,) = service.jobs
+    job.on_partial(streamed_output(job, [7]))
+    server._cancel(message.request_id)
+    assert service.aborted == [job.request_id]
+    server._send_round([server.outbox.get_nowait()])
+    assert not bus._reply_queue(message.request_id).items
