@@ -5,6 +5,10 @@ two, so the goal is the batch's throughput within 10% of the quiet run's. Then t
 latency: from a client's hang-up to its sequence gone from the engine (the worker's
 `conveyor:num_requests_running` back to 0, polled every few milliseconds).
 
+The quiet and the busy runs take turns (`--rounds` of each, quiet first), and each side's
+throughput is its tokens over its time summed over its runs: a machine whose speed wanders
+during the minutes of the bench (a shared host's does) then weighs on both sides alike.
+
 Three ratios are printed: the batch's wall-clock throughput, its throughput over its time in
 the worker (first request started to last result written), and that per core-second the
 worker process had. The last is what the clients' requests cost the engine: where the API,
@@ -66,8 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--requests", type=int, default=2048, help="requests in the batch")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per batch request")
-    ap.add_argument("--max-drops", type=int, default=5000, help="hang-ups at most, all clients")
+    ap.add_argument(
+        "--max-drops", type=int, default=5000, help="hang-ups at most, all clients, a busy run"
+    )
     ap.add_argument("--max-seconds", type=float, default=300, help="per run of the batch")
+    ap.add_argument("--rounds", type=int, default=2, help="quiet and busy runs, taking turns")
     ap.add_argument("--latency-samples", type=int, default=20)
     ap.add_argument(
         "--online-rate-limit",
@@ -189,7 +196,7 @@ def run_batch(stack: Stack, tag: str, args: argparse.Namespace) -> dict:
     cores = {f"{name}_cores": round(((process_cpu_seconds(pid) or 0.0) - cpu[name]) / wall, 2)
              for name, pid in pids(stack).items()}  # fmt: skip
     run = run_seconds(stack, done["id"])
-    return {"wall_s": round(wall, 2), "tok_s": round(tokens / wall, 1),
+    return {"wall_s": round(wall, 2), "tok_s": round(tokens / wall, 1), "tokens": tokens,
             "run_s": round(run, 2), "run_tok_s": round(tokens / run, 1), **cores}  # fmt: skip
 
 
@@ -246,25 +253,43 @@ def measure(stack: Stack, args: argparse.Namespace, worker_cpus: set[int]) -> di
         os.sched_setaffinity(0, others)
     metrics = f"http://127.0.0.1:{port}/metrics"
     run_batch(stack, "warm", argparse.Namespace(**{**vars(args), "requests": 32}))
-    before = scrape(metrics)
-    quiet = run_batch(stack, "quiet", args)
-    between = scrape(metrics)
-    with Churn(stack.api_url, args.clients, args.max_drops, args.chunks) as churn:
-        busy = run_batch(stack, "churn", args)
-    time.sleep(1)  # the last hang-ups reach the worker
-    after = scrape(metrics)
-    aborts = after.get(ABORTS, 0.0) - between.get(ABORTS, 0.0)
-    # tokens generated for the dropped streams: what the clients read (two chunks) and what
-    # was in flight when the abort came, where without aborts it would be STREAM_MAX_TOKENS
-    batch_tokens = args.requests * args.max_tokens
-    online_tokens = after[GENERATED] - between[GENERATED] - batch_tokens
-    busy["tokens_per_drop"] = round(online_tokens / max(1, churn.drops), 2)
-    quiet["preemptions"] = int(between[PREEMPTIONS] - before[PREEMPTIONS])
-    busy["preemptions"] = int(after[PREEMPTIONS] - between[PREEMPTIONS])
+    quiet_runs, busy_runs = [], []
+    drops = errors = refused = 0
+    aborts = online_tokens = preempted_quiet = preempted_busy = 0.0
+    for i in range(args.rounds):
+        before = scrape(metrics)
+        quiet_runs.append(run_batch(stack, f"quiet{i}", args))
+        between = scrape(metrics)
+        with Churn(stack.api_url, args.clients, args.max_drops, args.chunks) as churn:
+            busy_runs.append(run_batch(stack, f"churn{i}", args))
+        time.sleep(1)  # the last hang-ups reach the worker
+        after = scrape(metrics)
+        drops, errors, refused = drops + churn.drops, errors + churn.errors, refused + churn.refused
+        aborts += after.get(ABORTS, 0.0) - between.get(ABORTS, 0.0)
+        # tokens generated for the dropped streams: what the clients read (two chunks) and
+        # what was in flight when the abort came, where without aborts it would be
+        # STREAM_MAX_TOKENS
+        online_tokens += after[GENERATED] - between[GENERATED] - args.requests * args.max_tokens
+        preempted_quiet += between[PREEMPTIONS] - before[PREEMPTIONS]
+        preempted_busy += after[PREEMPTIONS] - between[PREEMPTIONS]
+    quiet, busy = summed(quiet_runs), summed(busy_runs)
+    busy["tokens_per_drop"] = round(online_tokens / max(1, drops), 2)
+    quiet["preemptions"], busy["preemptions"] = int(preempted_quiet), int(preempted_busy)
     latencies = abort_latencies(stack.api_url, metrics, args.latency_samples)
-    return {"quiet": quiet, "churn": busy, "drops": churn.drops, "drop_errors": churn.errors,
-            "refused": churn.refused,
-            "aborts_counted": int(aborts), "latencies": latencies}  # fmt: skip
+    return {"quiet": quiet, "churn": busy, "drops": drops, "drop_errors": errors,
+            "refused": refused, "aborts_counted": int(aborts), "latencies": latencies,
+            "quiet_runs_tok_s": [r["tok_s"] for r in quiet_runs],
+            "churn_runs_tok_s": [r["tok_s"] for r in busy_runs]}  # fmt: skip
+
+
+def summed(runs: list[dict]) -> dict:
+    """One side's runs as one: its tokens over its time, its cores averaged over its time."""
+    wall, run = sum(r["wall_s"] for r in runs), sum(r["run_s"] for r in runs)
+    tokens = sum(r["tokens"] for r in runs)
+    cores = {k: round(sum(r[k] * r["wall_s"] for r in runs) / wall, 2)
+             for k in runs[0] if k.endswith("_cores")}  # fmt: skip
+    return {"wall_s": round(wall, 2), "tok_s": round(tokens / wall, 1), "run_s": round(run, 2),
+            "run_tok_s": round(tokens / run, 1), **cores}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -292,6 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
         "other_cpus": sorted(other_cpus),
         "batch_requests": args.requests,
         "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
         **{f"quiet_{k}": v for k, v in seen.pop("quiet").items()},
         **{f"churn_{k}": v for k, v in seen.pop("churn").items()},
         **seen,
