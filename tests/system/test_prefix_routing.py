@@ -85,10 +85,10 @@ def test_killing_one_worker_moves_its_share(stack: Stack, chat_model: Path, tmp_
     sys_a, sys_b = systems_owned_by(["w1", "w2"])
     batches = []
     # every line runs its full length (a random model can emit EOS within a few tokens), so w1
-    # takes 5 rounds of 2 shards x 160 steps for its share: when its first round's results
+    # takes 5 rounds of 2 shards x 96 steps for its share: when its first round's results
     # appear, 4 rounds are left, far more than the time between the poll and the kill
     for i, system in enumerate([sys_a, sys_b, sys_a, sys_b]):
-        lines = batch_lines(40, system=system, prefix=f"k{i}", max_tokens=160)
+        lines = batch_lines(40, system=system, prefix=f"k{i}", max_tokens=96)
         for line in lines:
             line["body"]["ignore_eos"] = True
         batches.append((submit(api, write_jsonl(tmp_path / f"{i}.jsonl", lines)), lines))
