@@ -44,6 +44,9 @@ from tests.hf_reference import ARCHS  # noqa: E402
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # the service's tests are the longest: they go out first, so that with a test process per
+    # core the short ones fill the gaps at the end instead of one long file running alone
+    items.sort(key=lambda item: item.path.parts[-2] != "system")
     if torch.cuda.is_available():
         return
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU: torch sees none here")
