@@ -255,9 +255,7 @@ class OnlineServer(threading.Thread):
         (outputs hold everything so far, so the newest makes the chunks of both)."""
         complete = len(call.outputs) == len(call.online.requests)
         if complete:
-            call.over = True
-            with self.lock:
-                self.calls.pop(call.message.request_id, None)
+            self._retire(call)
         with call.lock:
             call.pending[prompt] = output
             call.complete = complete
