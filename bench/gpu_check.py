@@ -446,6 +446,10 @@ def _profile_steps(plan: Plan, llm, vocab: int) -> dict[str, Any]:
         # the host waiting on the device (a blocking read): our own synchronize after the
         # steps is cudaDeviceSynchronize, which the step itself never calls
         "host_syncs_per_step": round(sum(e.name in SYNC_CALLS for e in events) / steps, 1),
+        # how long the host waited there: near 0, the device waits on the host instead
+        "host_wait_ms_per_step": round(
+            sum(e.cpu_time_total for e in events if e.name in SYNC_CALLS) / steps / 1e3, 2
+        ),
         "async_copies_per_step": round(sum(e.name == "cudaMemcpyAsync" for e in events) / steps, 1),
         "profiled_ms_per_step": round(wall / steps * 1e3, 2),
     }
