@@ -718,7 +718,7 @@ class LLMEngine:
     def _sample_request(self, seq: Sequence) -> SampleRequest:
         params = seq.request.params
         banned: list[int] = []
-        if seq.num_output_tokens < params.min_tokens:
+        if params.min_tokens and seq.num_output_tokens < params.min_tokens:
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
                 banned += list(self.eos_token_ids)

@@ -14,6 +14,7 @@ from conveyor.engine.errors import RequestFailure
 from conveyor.engine.output_text import OutputText
 from conveyor.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from conveyor.engine.prompt_logprobs import PromptLogprobs
+from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.sequence import Request, Sequence
 
 
@@ -45,16 +46,17 @@ class OutputProcessor:
             output = seq.num_output_tokens
             if output >= len(after) and tuple(seq.token_ids[-len(after) :]) == after:  # it starts
                 seq.matcher, seq.deferred_matcher = seq.deferred_matcher, None
+        params = seq.request.params
         if seq.finish_reason is None:
-            self._check_stop_token(seq, token)
-        if seq.finish_reason is None or not self._ends_by(seq, token):
+            self._check_stop_token(seq, token, params)
+        needs_text = seq.text is not None or params.stop or seq.request.stream
+        if needs_text and (seq.finish_reason is None or not self._ends_by(seq, token)):
             self.read_text(seq, token)
         if seq.finish_reason is None:
-            self._check_length(seq)
+            self._check_length(seq, params)
 
-    def _check_stop_token(self, seq: Sequence, token: int) -> None:
-        params = seq.request.params
-        if seq.num_output_tokens >= params.min_tokens:
+    def _check_stop_token(self, seq: Sequence, token: int, params: SamplingParams) -> None:
+        if len(seq.token_ids) - seq.num_prompt_tokens >= params.min_tokens:
             if token in params.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", token
             elif not params.ignore_eos and token in self.eos_token_ids:
@@ -73,10 +75,10 @@ class OutputProcessor:
         if stop is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop
 
-    def _check_length(self, seq: Sequence) -> None:
-        max_tokens = seq.request.params.max_tokens
-        if (max_tokens is not None and seq.num_output_tokens >= max_tokens) or (
-            seq.num_tokens >= self.max_model_len
+    def _check_length(self, seq: Sequence, params: SamplingParams) -> None:
+        num_tokens, max_tokens = len(seq.token_ids), params.max_tokens
+        if (max_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_tokens) or (
+            num_tokens >= self.max_model_len
         ):
             seq.finish_reason = "length"
 

@@ -33,7 +33,7 @@ from conveyor.engine.sequence import Sequence, SequenceStatus
 from conveyor.engine.urgent_share import UrgentShare
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
@@ -41,7 +41,8 @@ class ScheduledSeq:
     @property
     def completes(self) -> bool:
         """True if this chunk reaches the end of the sequence, so a token is sampled after it."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        seq = self.seq
+        return seq.num_computed_tokens + self.num_new_tokens == len(seq.token_ids)
 
 
 @dataclass
@@ -103,18 +104,21 @@ class Scheduler:
         if bound is None or self.urgent.has_credit():
             self._make_room_for_priority()
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.reserve(seq, num_new):
-                victim = self.running.pop()
+        # the loop below runs once per running sequence and step: kept lean
+        i, running, reserve = 0, self.running, self.block_manager.reserve
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            computed = seq.num_computed_tokens
+            num_new = min(len(seq.token_ids) - computed, budget)
+            while not reserve(seq, num_new):
+                victim = running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             else:
-                self._count_prompt_tokens(seq, num_new)
+                if computed < seq.num_prompt_tokens:
+                    self._count_prompt_tokens(seq, num_new)
                 scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
                 i += 1

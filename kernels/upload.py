@@ -6,6 +6,7 @@ blocking copy each. Every input is a view of the one device tensor.
 
 from __future__ import annotations
 
+import array
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,7 +46,14 @@ class StepUpload:
 
     def send(self) -> Fetch:
         """Copy everything staged to the device (one copy); returns the view of each input."""
-        on_device = upload(torch.tensor(self.values, dtype=torch.long, device="cpu"), self.device)
+        # through an array: torch.tensor reads a long list item by item, 4x slower (0.9 ms
+        # for a decode step of 256 sequences' tables)
+        host = (
+            torch.frombuffer(array.array("q", self.values), dtype=torch.long)
+            if self.values
+            else torch.zeros(0, dtype=torch.long, device="cpu")
+        )
+        on_device = upload(host, self.device)
 
         def fetch(staged: Staged) -> torch.Tensor:
             size = math.prod(staged.shape)
