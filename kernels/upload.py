@@ -25,20 +25,32 @@ class Staged:
 Fetch = Callable[[Staged], torch.Tensor]
 
 
+# Each input starts on a multiple of 16 bytes (two values). Triton compiles a kernel again
+# for a pointer that is not 16-byte aligned, and inductor copies such an input at every call:
+# views at whatever offset the step's earlier inputs left would compile new variants of the
+# attention kernels in the middle of traffic, which warm-up (fresh, aligned tensors) never met.
+ALIGN = 2
+
+
 class StepUpload:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.values: list[int] = []
 
+    def _next_offset(self) -> int:
+        if len(self.values) % ALIGN:
+            self.values.extend([0] * (ALIGN - len(self.values) % ALIGN))
+        return len(self.values)
+
     def add(self, values: Sequence[int]) -> Staged:
-        staged = Staged(len(self.values), (len(values),))
+        staged = Staged(self._next_offset(), (len(values),))
         self.values.extend(values)
         return staged
 
     def add_rows(self, rows: Sequence[Sequence[int]]) -> Staged:
         """Rows of different lengths as one [len(rows), longest] block, padded with 0."""
         width = max((len(r) for r in rows), default=0)
-        staged = Staged(len(self.values), (len(rows), width))
+        staged = Staged(self._next_offset(), (len(rows), width))
         for row in rows:
             self.values.extend(row)
             self.values.extend([0] * (width - len(row)))
