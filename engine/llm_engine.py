@@ -357,8 +357,8 @@ class LLMEngine:
     def warm_up(self) -> None:
         """Compile what compiles (on a CPU: the decode attention, norms and rope) before the
         first request: a throwaway request's prefill and a few decode steps; and on a CPU,
-        build the projections' kernels for every decode batch size; on a GPU, compile every
-        variant of the attention kernels a step can meet."""
+        build the projections' kernels for every decode batch size; with Triton kernels,
+        compile every variant of the attention and experts kernels a step can meet."""
         if self.device.type == "cpu":
             self.runner.model.warm_up_products(self.engine_config.max_num_seqs)
         warm_kernels = getattr(self.runner.backend, "warm_up", None)
@@ -369,6 +369,7 @@ class LLMEngine:
                 self.runner.kv_caches, model.num_heads, self.max_model_len, model.attention_softcap
             )
             log.info("attention kernels compiled in %.1f s", time.perf_counter() - started)
+        self.runner.model.warm_up_kernels()
         if self.device.type == "cuda":
             self._record_graphs()
         request_id = "__warm_up__"

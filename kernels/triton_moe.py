@@ -111,6 +111,22 @@ def _launch(a, weight, rows, tile_expert, num_pairs, top_k, n, gated, token_rows
     return out
 
 
+# token counts whose (token, expert) pair counts are of each kind of integer Triton compiles a
+# kernel apart for (1, a multiple of 16, neither), whatever top_k is
+TOKENS_TO_WARM = (1, 2, 16)
+
+
+def warm_up(gate_up: torch.Tensor, down: torch.Tensor, top_k: int) -> None:
+    """Compile now the experts kernels' variants a step can meet with these weights, instead
+    of in the middle of traffic (a pair count is an argument Triton keys). Zero inputs; the
+    outputs are thrown away."""
+    hidden, num_experts = gate_up.shape[2], gate_up.shape[0]
+    for tokens in TOKENS_TO_WARM:
+        x = torch.zeros((tokens, hidden), dtype=gate_up.dtype, device=gate_up.device)
+        top_index = torch.arange(tokens * top_k, device=x.device).view(tokens, top_k) % num_experts
+        expert_products(x, gate_up, down, top_index)
+
+
 def expert_products(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_index: torch.Tensor
 ) -> torch.Tensor:

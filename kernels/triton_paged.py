@@ -268,22 +268,27 @@ def split_counts_to_warm(most: int) -> list[int]:
     return sorted(first.values())
 
 
+# a block-table width of each kind Triton compiles apart: 1, neither 1 nor a multiple of 16,
+# a multiple of 16
+TABLE_WIDTHS_TO_WARM = (1, 2, 16)
+
+
 def warm_up(
     k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, max_context_len: int,
     softcap: float | None = None,
 ) -> None:  # fmt: skip
     """Compile now every variant the decode and prefill kernels can meet with this cache,
     instead of in the middle of live traffic: each split count of `split_counts_to_warm` and
-    block-table widths that are and are not a multiple of 16 (a specialised stride), with the
-    model's score cap where it has one. One query over the cache's first block each; the
-    outputs are thrown away."""
+    each of `TABLE_WIDTHS_TO_WARM` (Triton keys an integer argument, here the table's row
+    stride, as 1, a multiple of 16, or neither), with the model's score cap where it has one.
+    One query over the cache's first block each; the outputs are thrown away."""
     device, dtype = k_cache.device, k_cache.dtype
     head_dim = k_cache.shape[3]
     most = choose_num_splits(1, 1, max_context_len, _num_sms(device))
     query = torch.zeros((1, heads, head_dim), dtype=dtype, device=device)
     one = torch.ones(1, dtype=torch.long, device=device)
     starts = torch.tensor([0, 1], dtype=torch.long, device=device)
-    for width in (1, 16):
+    for width in TABLE_WIDTHS_TO_WARM:
         tables = torch.zeros((1, width), dtype=torch.long, device=device)
         for splits in split_counts_to_warm(most):
             paged_decode_attention(query, k_cache, v_cache, tables, one, 1.0, num_splits=splits,

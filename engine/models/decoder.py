@@ -342,6 +342,15 @@ class DecoderForCausalLM(nn.Module):
         hidden = self.model.embed_tokens.weight
         self.logit_tiles = tiles_for([(product, hidden.new_empty(1, hidden.shape[1]))])
 
+    def warm_up_kernels(self) -> None:
+        """Compile the Triton kernels of the layers that have their own (the experts) before
+        traffic."""
+        done: set = set()
+        with torch.inference_mode():
+            for module in self.model.modules():
+                if hasattr(module, "warm_up_kernels"):
+                    module.warm_up_kernels(done)
+
     def warm_up_products(self, max_rows: int) -> None:
         """Run each distinct projection (one layer's and the output layer) at every row count
         up to `max_rows`, a decode step's possible batch sizes: oneDNN builds a product kernel

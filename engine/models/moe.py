@@ -170,6 +170,17 @@ class SparseMoe(nn.Module):
         )
         self.shared_expert_gate = Linear(hidden, 1, bias=False) if shared_inter else None
 
+    def warm_up_kernels(self, done: set) -> None:
+        """Compile the Triton experts kernels' variants now, where they run (once per kind of
+        layer in `done`)."""
+        experts = self.experts
+        if experts.impl != TRITON or experts.row_tiles:
+            return
+        kind = (experts.gate_up.shape, experts.down.shape, experts.gate_up.dtype, self.top_k)
+        if kind not in done:
+            done.add(kind)
+            triton_moe().warm_up(experts.gate_up, experts.down, self.top_k)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)

@@ -152,8 +152,8 @@ def test_warm_up_split_counts_cover_every_compiled_variant():
     assert tk.split_counts_to_warm(64) == [1, 2, 3, 5, 9, 16, 17, 32, 33, 48]
 
 
-def test_warm_up_runs_each_variant_over_both_table_widths(monkeypatch):
-    """Decode at each split count and prefill, with block tables of 1 and 16 columns."""
+def test_warm_up_runs_each_variant_over_each_kind_of_table_width(monkeypatch):
+    """Decode at each split count and prefill, with block tables of 1, 2 and 16 columns."""
     rng = random.Random(3)
     k_cache, v_cache, _ = random_cache(rng, [40], 2, 64, 16, torch.bfloat16)
     decoded, prefilled = [], []
@@ -174,8 +174,8 @@ def test_warm_up_runs_each_variant_over_both_table_widths(monkeypatch):
     tk.warm_up(k_cache, v_cache, heads=4, max_context_len=4096)
     most = tk.choose_num_splits(1, 1, 4096, tk._num_sms(k_cache.device))
     counts = tk.split_counts_to_warm(most)
-    assert sorted(decoded) == sorted((n, w) for n in counts for w in (1, 16))
-    assert sorted(prefilled) == [1, 16]
+    assert sorted(decoded) == sorted((n, w) for n in counts for w in (1, 2, 16))
+    assert sorted(prefilled) == [1, 2, 16]
 
 
 def test_the_engine_warm_up_compiles_the_attention_variants(checkpoints, monkeypatch):
@@ -188,6 +188,55 @@ def test_the_engine_warm_up_compiles_the_attention_variants(checkpoints, monkeyp
     llm = LLM(str(checkpoints["qwen3"]), device=DEVICE, attention_backend="triton", dtype="float32")
     llm.warm_up()
     assert calls == [(llm.runner.model.num_heads, llm.max_model_len, None)]
+
+
+def _launch_keys(kernel_class, monkeypatch) -> dict[str, set]:
+    """The variants Triton would compile, recorded per phase as the kernels launch: each
+    argument as Triton keys it (a tensor's dtype and 16-byte alignment, an integer as 1, a
+    multiple of 16 or neither), and the constexpr and launch settings."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    keys: dict[str, set] = {"phase": "warm-up", "warm-up": set(), "traffic": set()}
+    run = kernel_class.run
+
+    def key(arg):
+        if isinstance(arg, torch.Tensor | int | float) and not isinstance(arg, bool):
+            return native_specialize_impl(BaseBackend, arg, False, True, True)
+        return repr(arg)
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        settings = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
+        keys[keys["phase"]].add((self.__name__, tuple(key(a) for a in args), settings))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(kernel_class, "run", recording_run)
+    return keys
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_after_warm_up_traffic_meets_no_new_variant(checkpoints, monkeypatch, family):
+    """Triton compiles a variant at its first launch: one met first in traffic is a stall of
+    seconds in the middle of a step on a GPU. Mixed prompt lengths (block tables of every kind
+    of width), chunked prefill beside decodes, a cached prefix and n > 1."""
+    from conveyor.engine import LLM, SamplingParams
+
+    keys = _launch_keys(type(tk._decode_split_kernel), monkeypatch)
+    llm = LLM(str(checkpoints[family]), device=DEVICE, dtype="float32", attention_backend="triton",
+              elementwise="triton", block_size=4, max_num_batched_tokens=32)  # fmt: skip
+    llm.warm_up()
+    keys["phase"] = "traffic"
+    rng = random.Random(0)
+    # tables 1 to 16 blocks wide; the longest prompt in two chunks beside the others' decodes
+    prompts = [[rng.randrange(10, 200) for _ in range(n)] for n in (1, 6, 17, 61)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (2, 3, 4, 5)]
+    llm.generate(prompts, params, use_tqdm=False)
+    cached = prompts[3][:40] + [7, 8, 9]  # its first ten blocks from the cache
+    llm.generate([cached, prompts[1]], SamplingParams(n=2, temperature=1.0, max_tokens=2, seed=1),
+                 use_tqdm=False)  # fmt: skip
+    assert keys["traffic"], "nothing was recorded: the hook missed the launches"
+    new = sorted(keys["traffic"] - keys["warm-up"], key=str)
+    assert not new, f"variants first launched in traffic: {new}"
 
 
 def reference_prefill(
