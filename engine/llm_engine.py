@@ -717,12 +717,20 @@ class LLMEngine:
         return children
 
     def _sample_request(self, seq: Sequence) -> SampleRequest:
+        """`seq`'s row of the sampler. Made once per sequence and kept (its token list is the
+        sequence's own, which grows with it), but while min_tokens bans the stop ids."""
         params = seq.request.params
-        banned: list[int] = []
         if params.min_tokens and seq.num_output_tokens < params.min_tokens:
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
                 banned += list(self.eos_token_ids)
+            return self._new_sample_request(seq, banned)
+        if seq.sample_request is None:
+            seq.sample_request = self._new_sample_request(seq, [])
+        return seq.sample_request
+
+    def _new_sample_request(self, seq: Sequence, banned: list[int]) -> SampleRequest:
+        params = seq.request.params
         if params.has_penalties and seq.prompt_token_set is None:
             # on the device once per sequence, not copied there at every step
             prompt = torch.tensor(seq.token_ids[: seq.num_prompt_tokens], device="cpu")

@@ -9,6 +9,7 @@ op, and never a pass over the whole [rows, vocab] logits for a few tokens.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -39,6 +40,13 @@ class SampleRequest:
     @property
     def output_token_ids(self) -> Seq[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @functools.cached_property
+    def plain_greedy(self) -> bool:
+        """A greedy row that asks for no logprobs and whose logits nothing adjusts (asked
+        every step of a row the engine keeps: worked out once)."""
+        params = self.params
+        return params.greedy and params.logprobs is None and not changes_logits(self)
 
 
 def changes_logits(row: SampleRequest) -> bool:

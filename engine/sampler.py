@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from conveyor.engine.logits_processors import SampleRequest, apply_logits_processors, changes_logits
+from conveyor.engine.logits_processors import SampleRequest, apply_logits_processors
 from conveyor.engine.outputs import TokenLogprobs
 from conveyor.kernels import native_layers
 from conveyor.kernels.upload import to_device, upload
@@ -47,7 +47,7 @@ class Sampler:
         sampled online request in a step of 255 greedy batch rows must not cost a softmax and
         a noise draw over all 256 rows."""
         if token_mask is None:
-            plain = [plain_greedy(r) for r in rows]
+            plain = [r.plain_greedy for r in rows]
             if all(plain):
                 return SampleResult(first_max_index(logits).tolist(), [None] * len(rows))
             if any(plain):
@@ -153,11 +153,6 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
-def plain_greedy(row: SampleRequest) -> bool:
-    """A greedy row that asks for no logprobs and whose logits nothing adjusts."""
-    return row.params.greedy and row.params.logprobs is None and not changes_logits(row)
 
 
 def first_max_index(x: torch.Tensor) -> torch.Tensor:

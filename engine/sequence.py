@@ -53,6 +53,7 @@ class Sequence:
     deferred_matcher: Any = None
     prompt_token_set: torch.Tensor | None = None  # distinct prompt ids (repetition penalty)
     rope_long: bool = False  # computed with LongRoPE's long factors (`layers.LongRope`)
+    sample_request: Any = None  # its row of the sampler, once nothing about it changes by step
 
     @property
     def block_table(self) -> list[int]:

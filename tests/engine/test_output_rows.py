@@ -44,3 +44,28 @@ def test_skipping_unread_rows_changes_no_output(checkpoints, monkeypatch, dtype)
         assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
         for x, y in zip(a.prompt_logprobs or [], b.prompt_logprobs or [], strict=True):
             assert (x is None and y is None) or all(abs(x[t] - y[t]) < 1e-4 for t in x)
+
+
+def test_a_step_of_decodes_is_laid_out_as_the_general_path_lays_it_out():
+    """The decode-only layout (whole lists at once) against the token-at-a-time one, forced
+    by naming a prompt-logprob sequence that is not in the step: the same ids, positions,
+    slots, tables and sampled rows, a one-token chunk of a longer prompt sampling nothing."""
+    from conveyor.engine.scheduler import ScheduledSeq
+    from conveyor.engine.sequence import Request, Sequence
+
+    block = 4
+    seqs = []
+    for i, (tokens, computed) in enumerate([(9, 8), (3, 2), (17, 16), (12, 5), (5, 4)]):
+        request = Request(f"r{i}", None, list(range(tokens)), SamplingParams())
+        seq = Sequence(request, 0, [100 * i + t for t in range(tokens)], tokens)
+        seq.tables = [[50 + 10 * i + b for b in range(-(-tokens // block))]]
+        seq.num_computed_tokens = computed
+        seqs.append(seq)
+    scheduled = [ScheduledSeq(seq, 1) for seq in seqs]  # seq 3: one token of a longer prompt
+    fast = StepLayout.of(scheduled, set(), block)
+    general = StepLayout.of(scheduled, {-1}, block)
+    assert fast == general
+    assert fast.sample_rows == [0, 1, 2, 4]
+    assert fast.slots == [[(50 + 10 * i + p // block) * block + p % block
+                           for i, p in enumerate([8, 2, 16, 5, 4])]]  # fmt: skip
+    assert StepLayout.of([], set(), block) == StepLayout.of([], {-1}, block)
