@@ -285,8 +285,8 @@ class StepLayout:
         step.input_ids = [seq.token_ids[p] for seq, p in pairs]
         step.slots[0] = [seq.tables[0][p // bs] * bs + p % bs for seq, p in pairs]
         tables = step.tables[0]
-        tables.decode_tables.extend(seq.tables[0] for seq in seqs)
-        tables.decode_lens.extend(p + 1 for p in starts)
+        tables.decode_tables.extend([seq.tables[0] for seq in seqs])
+        tables.decode_lens.extend([p + 1 for p in starts])
         # a one-token chunk of a longer prompt runs as a decode but samples nothing
         step.sample_rows = [i for i, (seq, p) in enumerate(pairs) if p + 1 == len(seq.token_ids)]
         return step

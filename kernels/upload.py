@@ -49,11 +49,13 @@ class StepUpload:
 
     def add_rows(self, rows: Sequence[Sequence[int]]) -> Staged:
         """Rows of different lengths as one [len(rows), longest] block, padded with 0."""
-        width = max((len(r) for r in rows), default=0)
+        lengths = [len(r) for r in rows]
+        width = max(lengths, default=0)
         staged = Staged(self._next_offset(), (len(rows), width))
-        for row in rows:
-            self.values.extend(row)
-            self.values.extend([0] * (width - len(row)))
+        values, padding = self.values, [0] * width
+        for row, length in zip(rows, lengths, strict=True):
+            values.extend(row)
+            values.extend(padding[length:])
         return staged
 
     def send(self) -> Fetch:
