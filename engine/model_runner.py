@@ -229,7 +229,7 @@ class StepLayout:
             long_rope is None
             and num_groups == 1
             and not prompt_logprob_seqs
-            and (not scheduled or scheduled[-1].num_new_tokens == 1)  # decodes sort first
+            and all(item.num_new_tokens == 1 for item in scheduled)
         ):
             return cls._decodes(scheduled, block_size)
         step, bs = cls(), block_size

@@ -69,3 +69,6 @@ def test_a_step_of_decodes_is_laid_out_as_the_general_path_lays_it_out():
     assert fast.slots == [[(50 + 10 * i + p // block) * block + p % block
                            for i, p in enumerate([8, 2, 16, 5, 4])]]  # fmt: skip
     assert StepLayout.of([], set(), block) == StepLayout.of([], {-1}, block)
+    mixed = [ScheduledSeq(seqs[3], 3), ScheduledSeq(seqs[0], 1)]  # a chunk of 3, then a decode
+    assert len(StepLayout.of(mixed, set(), block).input_ids) == 4
+    assert StepLayout.of(mixed, set(), block) == StepLayout.of(mixed, {-1}, block)
