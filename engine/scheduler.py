@@ -16,21 +16,21 @@ Sorting is skipped (arrival order) when more than `lpm_max_waiting` sequences wa
 sequence that has waited `max_waiting_time` seconds goes before all others of its priority, so
 nothing starves.
 
-The waiting queue stays in arrival order (a preempted sequence goes back to its front as overdue
-at once), so the order of admission is read off it lazily: a step with no room sorts nothing,
-and one with room for a few looks at a few.
+Each priority's waiting line stays in arrival order (a preempted sequence goes back to its
+front as overdue at once; `waiting_queue`), so the order of admission is read off it lazily: a
+step with no room sorts nothing, and one with room for a few looks at a few.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from conveyor.engine.block_manager import BlockManager
 from conveyor.engine.sequence import Sequence, SequenceStatus
 from conveyor.engine.urgent_share import UrgentShare
+from conveyor.engine.waiting_queue import WaitingQueue
 
 
 @dataclass(slots=True)
@@ -74,8 +74,7 @@ class Scheduler:
         self.lpm_max_waiting = lpm_max_waiting
         self.max_waiting_time = max_waiting_time
         self.clock = clock
-        self.waiting: deque[Sequence] = deque()
-        self.waiting_priorities: Counter[int] = Counter()  # priority -> sequences waiting
+        self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
         self.least_urgent = 0  # the highest priority number ever added
@@ -85,7 +84,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.arrival_time = self.clock()
         self.waiting.append(seq)
-        self.waiting_priorities[seq.request.priority] += 1
         self.least_urgent = max(self.least_urgent, seq.request.priority)
 
     def add_running(self, seq: Sequence) -> None:
@@ -151,19 +149,19 @@ class Scheduler:
         the urgent share; None when nothing is bounded."""
         if not self.urgent.bounded or self.least_urgent == 0:
             return None
-        waiting = max((p for p, n in self.waiting_priorities.items() if n), default=0)
+        waiting = max(self.waiting.priorities(), default=0)
         running = max((s.request.priority for s in self.running), default=0)
         return max(waiting, running) or None
 
     def _make_room_for_priority(self) -> None:
         """Preempt running sequences of a lower priority (a higher number), most recently
         admitted first, while the most urgent waiting sequence has no room to start."""
-        most_urgent = min((p for p, n in self.waiting_priorities.items() if n), default=None)
+        most_urgent = min(self.waiting.priorities(), default=None)
         if most_urgent is None or most_urgent >= self.least_urgent:
             return  # nothing running can be less urgent (the common case: one priority)
         if all(s.request.priority <= most_urgent for s in self.running):
             return
-        urgent = next(s for s in self.waiting if s.request.priority == most_urgent)
+        urgent = self.waiting.of(most_urgent)[0]
         bm = self.block_manager
         while True:
             lower = [s for s in self.running if s.request.priority > urgent.request.priority]
@@ -184,7 +182,7 @@ class Scheduler:
             return
         bm = self.block_manager
         in_flight = self._blocks_in_flight() if self.cache_aware else set()
-        admitted: set[int] = set()
+        admitted: list[Sequence] = []
         for seq in self._admission_order():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
@@ -206,7 +204,7 @@ class Scheduler:
             bm.admit(seq, hits)
             reserved = bm.reserve(seq, num_new)
             assert reserved, "can_schedule() promised room"
-            admitted.add(seq.seq_id)
+            admitted.append(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if seq.request.num_cached_tokens is None:
@@ -221,8 +219,7 @@ class Scheduler:
             if self.cache_aware:
                 in_flight.update(self._uncomputed_prompt_keys(seq))
         if admitted:
-            self.waiting = deque(s for s in self.waiting if s.seq_id not in admitted)
-            self.waiting_priorities = Counter(s.request.priority for s in self.waiting)
+            self.waiting.remove_admitted(admitted)
 
     def _overdue(self, seq: Sequence) -> bool:
         return self.clock() - seq.arrival_time >= self.max_waiting_time
@@ -244,12 +241,8 @@ class Scheduler:
 
     def _arrival_order(self) -> Iterator[Sequence]:
         """The waiting sequences by priority, then arrival, taken as they are asked for."""
-        priorities = sorted(p for p, n in self.waiting_priorities.items() if n)
-        if len(priorities) == 1:
-            yield from self.waiting
-            return
-        for priority in priorities:
-            yield from (s for s in self.waiting if s.request.priority == priority)
+        for priority in self.waiting.priorities():
+            yield from self.waiting.of(priority)
 
     def _uncomputed_prompt_keys(self, seq: Sequence) -> list[bytes]:
         """Keys of the full prompt blocks of `seq` whose KV is not computed yet."""
@@ -292,7 +285,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.arrival_time = float("-inf")  # overdue at once: first in line to come back
         self.waiting.appendleft(seq)
-        self.waiting_priorities[seq.request.priority] += 1
 
     def finish(self, seq: Sequence) -> None:
         """Retire a finished or aborted sequence and free its blocks."""
@@ -300,6 +292,5 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-            self.waiting_priorities[seq.request.priority] -= 1
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
