@@ -35,6 +35,7 @@ class OnlineLease:
     queue: str = ""
     message: OnlineMessage | None = None
     answered: bool = False  # its last answer came: nothing to cancel
+    taken: bool = False  # an answer came: a worker runs it
     closed: bool = False
 
     @classmethod
@@ -60,7 +61,7 @@ class OnlineLease:
         with anyio.CancelScope(shield=True):  # it runs as the client's request is cancelled
             try:
                 if self.message is not None and not self.answered:
-                    await self.bus.cancel(self.queue, self.message)
+                    await self.bus.cancel(self.queue, self.message, self.taken)
             except Exception:
                 log.warning("could not cancel online request %s", self.message, exc_info=True)
             try:

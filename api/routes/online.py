@@ -177,7 +177,7 @@ async def _events(
     more event holding it."""
     try:
         async for answer in state.online.answers(message):
-            lease.answered = bool(answer.get("last"))
+            lease.answered, lease.taken = bool(answer.get("last")), True
             for chunk in answer.get("chunks", ()):
                 yield _event(chunk)
             if answer.get("status", 200) >= 400:
@@ -199,7 +199,7 @@ async def _typed_events(
     sent = 0
     try:
         async for answer in state.online.answers(message):
-            lease.answered = bool(answer.get("last"))
+            lease.answered, lease.taken = bool(answer.get("last")), True
             for event in answer.get("chunks", ()):
                 sent += 1
                 yield _typed_event(event)

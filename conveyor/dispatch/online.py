@@ -72,7 +72,9 @@ class OnlineBus(Protocol):
 
     def answers(self, message: OnlineMessage) -> AsyncIterator[dict[str, Any]]: ...
 
-    async def cancel(self, queue_name: str, message: OnlineMessage) -> None: ...
+    async def cancel(self, queue_name: str, message: OnlineMessage, taken: bool = False) -> None:
+        """Stop `message`'s request: out of its queue if no worker took it yet, else aborted
+        by the worker that runs it; `taken`: an answer came, so a worker has it."""
 
     def cancellations(self, stopped: threading.Event) -> Iterator[str]: ...
 
@@ -125,9 +127,10 @@ class RedisBus:
         finally:
             await client.delete(key)
 
-    async def cancel(self, queue_name: str, message: OnlineMessage) -> None:
+    async def cancel(self, queue_name: str, message: OnlineMessage, taken: bool = False) -> None:
         client = self._redis()
-        if not await client.lrem(queue_name, 1, message.dumps()):  # a worker has it
+        # LREM reads the whole list: not for a request a worker answered (a dropped stream)
+        if taken or not await client.lrem(queue_name, 1, message.dumps()):  # a worker has it
             await client.publish(CANCEL_CHANNEL, message.request_id)
 
     def cancellations(self, stopped: threading.Event) -> Iterator[str]:
@@ -248,12 +251,13 @@ class LocalBus:
             with self.lock:
                 self.replies.pop(message.request_id, None)
 
-    async def cancel(self, queue_name: str, message: OnlineMessage) -> None:
+    async def cancel(self, queue_name: str, message: OnlineMessage, taken: bool = False) -> None:
         waiting = self._queue(queue_name)
         with waiting.mutex:  # not taken yet: it leaves the queue
             try:
-                waiting.queue.remove(message)
-                return
+                if not taken:
+                    waiting.queue.remove(message)
+                    return
             except ValueError:
                 pass
         with self.lock:

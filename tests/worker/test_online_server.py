@@ -103,13 +103,14 @@ def aborts(reason: str) -> float:
     return ONLINE_ABORTS.labels("m", reason)._value.get()
 
 
-def test_a_cancelled_request_is_aborted_and_counted(served):
+@pytest.mark.parametrize("taken", [False, True], ids=["unsure", "answered"])
+def test_a_cancelled_request_is_aborted_and_counted(served, taken):
     bus, service, _ = served
     before = aborts("disconnect")
     message = completion(prompt=["one", "two"], stream=True)
     bus.send(QUEUE, message)
     wait_until(lambda: len(service.jobs) == 2)
-    asyncio.run(bus.cancel(QUEUE, message))
+    asyncio.run(bus.cancel(QUEUE, message, taken))
     wait_until(lambda: len(service.aborted) == 2)
     assert service.aborted == [job.request_id for job in service.jobs]
     assert aborts("disconnect") == before + 1
