@@ -18,6 +18,7 @@ where the system puts it), the first two also count what they took from the work
     python bench/online_churn.py                  # 50 clients, a 2048-request batch
     python bench/online_churn.py --clients 20 --requests 256
     python bench/online_churn.py --online-rate-limit 10   # with CONVEYOR_ONLINE_RATE_LIMIT=10
+    python bench/online_churn.py --urgent-share 0.025     # with CONVEYOR_URGENT_SHARE=0.025
 
 Starts its own API and worker (a tiny random Llama on this machine's CPU) on a fresh
 PostgreSQL database (DATABASE_URL, default the local server) and a throwaway redis-server.
@@ -35,6 +36,7 @@ import os
 import statistics
 import threading
 import time
+from dataclasses import fields
 from datetime import date
 
 import httpx
@@ -44,6 +46,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from report import print_result
 
 from conveyor.demo_model import write_tiny_model
+from conveyor.engine.config import EngineConfig
 from conveyor.testing import (
     Stack,
     batch_lines,
@@ -59,6 +62,7 @@ RUNNING = "conveyor:num_requests_running"
 ABORTS = "conveyor:online_aborts_total"
 PREEMPTIONS = "conveyor:num_preemptions_total"
 GENERATED = "conveyor:generation_tokens_total"
+URGENT_SHARE = next(f.default for f in fields(EngineConfig) if f.name == "urgent_share")
 STREAM_MAX_TOKENS = 500  # what a dropped stream asks for: what it would cost if never aborted
 
 
@@ -82,6 +86,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="the service's CONVEYOR_ONLINE_RATE_LIMIT (default 0: none, as configured out of "
         "the box); the clients retry a 429 at once, as a hostile client would",
+    )
+    ap.add_argument(
+        "--urgent-share",
+        type=float,
+        default=URGENT_SHARE,
+        help="the worker's CONVEYOR_URGENT_SHARE: the share of the engine's tokens online "
+        f"requests may take while a batch runs (default {URGENT_SHARE}, the engine's own)",
     )
     ap.add_argument(
         "--worker-cpus",
@@ -297,7 +308,8 @@ def main(argv: list[str] | None = None) -> dict:
     worker_cpus, other_cpus = split_cpus(args.worker_cpus)
     os.sched_setaffinity(0, other_cpus)  # what this process starts runs there too
     env = {"CONVEYOR_SHARD_SIZE": "32", "CONVEYOR_VISIBILITY_TIMEOUT": "600",
-           "CONVEYOR_ONLINE_RATE_LIMIT": str(args.online_rate_limit)}  # fmt: skip
+           "CONVEYOR_ONLINE_RATE_LIMIT": str(args.online_rate_limit),
+           "CONVEYOR_URGENT_SHARE": str(args.urgent_share)}  # fmt: skip
     with service_deployment("churn", **env) as stack:
         seen = measure(stack, args, worker_cpus)
     ratio = seen["churn"]["tok_s"] / seen["quiet"]["tok_s"]
@@ -313,6 +325,7 @@ def main(argv: list[str] | None = None) -> dict:
         "clients": args.clients,
         "chunks_read": args.chunks,
         "online_rate_limit": args.online_rate_limit,
+        "urgent_share": args.urgent_share,
         "worker_cpus": sorted(worker_cpus),
         "other_cpus": sorted(other_cpus),
         "batch_requests": args.requests,
