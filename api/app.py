@@ -13,6 +13,7 @@ from conveyor.api import errors
 from conveyor.api.deps import AppState
 from conveyor.api.metrics import api_registry
 from conveyor.api.routes import batches, files, online, system, ui, workers
+from conveyor.api.served_models import ServedModels
 from conveyor.api.storage import FileStore
 from conveyor.dispatch.celery_app import make_celery
 from conveyor.dispatch.online import bus_for
@@ -29,12 +30,14 @@ def create_app(settings: Settings | None = None, *, reconcile: bool = True) -> F
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        ledger = Ledger(settings.db_url)
         state = AppState(
             settings=settings,
-            ledger=Ledger(settings.db_url),
+            ledger=ledger,
             celery=make_celery(settings),
             files=FileStore(settings.files_dir),
             online=bus_for(settings.broker_url),
+            served=ServedModels(ledger, settings.heartbeat_timeout),
         )
         app.state.conveyor = state
         loop = ReconcilerLoop(state.ledger, state.celery, settings) if reconcile else None

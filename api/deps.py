@@ -12,6 +12,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
+from conveyor.api.served_models import ServedModels
 from conveyor.api.storage import FileStore
 from conveyor.dispatch.online import OnlineBus
 from conveyor.ledger.db import Ledger
@@ -25,6 +26,7 @@ class AppState:
     celery: Celery
     files: FileStore
     online: OnlineBus
+    served: ServedModels
 
 
 async def get_state(request: Request) -> AppState:

@@ -32,7 +32,6 @@ from conveyor.api.online_lease import LeasedStream, OnlineLease, unless_gone
 from conveyor.api.online_limits import check_prompt_count, check_rate, check_sequences, sequences_of
 from conveyor.dispatch.online import AnswerTimeout, OnlineMessage, online_queue
 from conveyor.dispatch.queues import queue_for
-from conveyor.ledger.workers import served_models
 from conveyor.served_names import listed_names
 from conveyor.wire_format.bodies import (
     CHAT_URL,
@@ -222,7 +221,7 @@ def _typed_event(data: dict[str, Any]) -> bytes:
 async def _queue_of(state: AppState, model: str | None) -> str:
     """The online queue of `model` (of the one model served, when None); 404 for a model no
     worker serves or served, 503 for one whose workers are all gone."""
-    live, known = await run_in_threadpool(_served_models, state)
+    live, known = await run_in_threadpool(state.served.lookup, model)
     if model is None:
         listed = listed_names(sorted(live))  # as GET /v1/models names them
         if len(listed) != 1:
@@ -252,12 +251,6 @@ async def _queue_of(state: AppState, model: str | None) -> str:
         type="server_error",
         headers={"Retry-After": "5"},
     )
-
-
-def _served_models(state: AppState) -> tuple[set[str], set[str]]:
-    """(models of live workers, models of workers that went silent)."""
-    with state.ledger.reads() as session:
-        return served_models(session, state.settings.heartbeat_timeout)
 
 
 def _checked(model_cls: type[TokenizeBody] | type[DetokenizeBody], body: dict[str, Any]):
