@@ -125,11 +125,10 @@ async def _complete(
     await check_rate(state.online, settings, project)
     lease = await OnlineLease.take(state.online, settings, project, sequences_of(online))
     try:
-        message = _send(state, queue, kind, body, project)
+        message = await _send(state, queue, kind, body, project, lease)
     except BaseException:
         await lease.close()
         raise
-    lease.sent(queue, message)
     if online.stream:
         events = _typed_events if kind == "responses" else _events
         return LeasedStream(events(state, message, lease), lease)
@@ -143,15 +142,22 @@ async def _ask(
     state: AppState, project: str, kind: str, body: dict[str, Any], model: str | None
 ) -> Response:
     queue = await _queue_of(state, model)
-    return await _one_answer(state, _send(state, queue, kind, body, project))
+    return await _one_answer(state, await _send(state, queue, kind, body, project))
 
 
-def _send(
-    state: AppState, queue: str, kind: str, body: dict[str, Any], project: str
+async def _send(
+    state: AppState,
+    queue: str,
+    kind: str,
+    body: dict[str, Any],
+    project: str,
+    lease: OnlineLease | None = None,
 ) -> OnlineMessage:
     deadline = time.time() + state.settings.online_timeout
     message = OnlineMessage(kind, body, deadline, project)
-    state.online.send(queue, message)
+    if lease is not None:  # before the push: a client gone while it is sent cancels it
+        lease.sent(queue, message)
+    await state.online.send(queue, message)
     return message
 
 

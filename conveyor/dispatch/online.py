@@ -71,7 +71,7 @@ class OnlineBus(Protocol):
     slots: OnlineSlots  # each project's online sequences in flight
     rate: OnlineRate  # how fast each project starts online requests
 
-    def send(self, queue_name: str, message: OnlineMessage) -> None: ...
+    async def send(self, queue_name: str, message: OnlineMessage) -> None: ...
 
     def answers(self, message: OnlineMessage) -> AsyncIterator[dict[str, Any]]: ...
 
@@ -109,8 +109,8 @@ class RedisBus:
             self._async = redis.asyncio.Redis.from_url(self.url)
         return self._async
 
-    def send(self, queue_name: str, message: OnlineMessage) -> None:
-        self.client.lpush(queue_name, message.dumps())
+    async def send(self, queue_name: str, message: OnlineMessage) -> None:
+        await self._redis().lpush(queue_name, message.dumps())
 
     async def answers(self, message: OnlineMessage) -> AsyncIterator[dict[str, Any]]:
         client = self._redis()
@@ -261,7 +261,7 @@ class LocalBus:
             for name in queue_names:
                 self.consumers[name] = self.consumers.get(name, 0) + 1
 
-    def send(self, queue_name: str, message: OnlineMessage) -> None:
+    async def send(self, queue_name: str, message: OnlineMessage) -> None:
         self._reply_queue(message.request_id)
         self._queue(queue_name).put(message)
 

@@ -108,7 +108,7 @@ def test_a_cancelled_request_is_aborted_and_counted(served, taken):
     bus, service, _ = served
     before = aborts("disconnect")
     message = completion(prompt=["one", "two"], stream=True)
-    bus.send(QUEUE, message)
+    asyncio.run(bus.send(QUEUE, message))
     wait_until(lambda: len(service.jobs) == 2)
     asyncio.run(bus.cancel(QUEUE, message, taken))
     wait_until(lambda: len(service.aborted) == 2)
@@ -121,7 +121,7 @@ def test_a_request_cancelled_before_a_worker_took_it_never_starts(served):
     server.stop()  # takes nothing more
     server.join(timeout=5)
     message = completion()
-    bus.send(QUEUE, message)
+    asyncio.run(bus.send(QUEUE, message))
     asyncio.run(bus.cancel(QUEUE, message))
     assert bus.take([QUEUE], timeout=0.1) is None
 
@@ -137,7 +137,7 @@ def test_a_cancel_that_overtakes_its_request_stops_it_from_starting(served):
 def test_an_output_after_the_abort_is_aborted_again(served):
     bus, service, _ = served
     message = completion(stream=True)
-    bus.send(QUEUE, message)
+    asyncio.run(bus.send(QUEUE, message))
     wait_until(lambda: len(service.jobs) == 1)
     asyncio.run(bus.cancel(QUEUE, message))
     wait_until(lambda: len(service.aborted) == 1)
@@ -150,7 +150,7 @@ def test_an_output_after_the_abort_is_aborted_again(served):
 def test_detokenize_refuses_ids_outside_the_vocabulary(served, tokens):
     bus, _, _ = served
     message = OnlineMessage("detokenize", {"tokens": tokens}, time.time() + 60)
-    bus.send(QUEUE, message)
+    asyncio.run(bus.send(QUEUE, message))
     answer = answer_of(bus, message)
     assert answer["status"] == 400
     assert answer["body"]["error"]["param"] == "tokens"
@@ -160,10 +160,10 @@ def test_detokenize_refuses_ids_outside_the_vocabulary(served, tokens):
 def test_detokenize_without_a_vocabulary_size_still_refuses_huge_ids(served):
     bus, _, _ = served
     message = OnlineMessage("detokenize", {"tokens": [2**70]}, time.time() + 60)
-    bus.send(QUEUE, message)
+    asyncio.run(bus.send(QUEUE, message))
     assert answer_of(bus, message)["body"]["error"]["param"] == "tokens"
     fine = OnlineMessage("detokenize", {"tokens": [7, 8]}, time.time() + 60)
-    bus.send(QUEUE, fine)
+    asyncio.run(bus.send(QUEUE, fine))
     assert answer_of(bus, fine) == {"status": 200, "body": {"prompt": "7 8"}, "last": True}
 
 
@@ -172,7 +172,7 @@ def test_a_500_tells_the_request_id_and_no_internals(served, caplog):
     server.engine.tokenizer = VocabTokenizer(failing=13)
     message = OnlineMessage("detokenize", {"tokens": [13]}, time.time() + 60)
     with caplog.at_level(logging.ERROR, logger="conveyor.worker.online"):
-        bus.send(QUEUE, message)
+        asyncio.run(bus.send(QUEUE, message))
         answer = answer_of(bus, message)
     error = answer["body"]["error"]
     assert answer["status"] == 500 and error["code"] == "internal_error"
@@ -201,7 +201,7 @@ def test_a_500_tells_the_request_id_and_no_internals(served, caplog):
 def test_an_output_with_an_error_answers_by_its_kind(served, error, status, param):
     bus, service, _ = served
     message = completion()
-    bus.send(QUEUE, message)
+    asyncio.run(bus.send(QUEUE, message))
     wait_until(lambda: len(service.jobs) == 1)
     job = service.jobs[0]
     output = RequestOutput(job.request_id, "", [], None, [], finished=True)
@@ -219,7 +219,7 @@ def test_a_chats_template_variables_reach_the_template(served):
     bus, service, _ = served
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
             "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
-    bus.send(QUEUE, OnlineMessage("chat", body, time.time() + 60))
+    asyncio.run(bus.send(QUEUE, OnlineMessage("chat", body, time.time() + 60)))
     wait_until(lambda: service.jobs)
     assert service.jobs[0].prompt == "user: hi\nenable_thinking=False"
 
@@ -235,7 +235,7 @@ def test_an_online_chat_answers_with_its_thinking_apart(served):
     bus, service, _ = served
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     message = OnlineMessage("chat", body, time.time() + 60)
-    bus.send(QUEUE, message)
+    asyncio.run(bus.send(QUEUE, message))
     wait_until(lambda: service.jobs)
     job = service.jobs[0]
     comp = CompletionOutput(0, "two and two</think>4", [5, 6, 7], None, None, "stop")
@@ -273,7 +273,7 @@ def test_a_stream_whose_answers_fall_behind_sends_several_steps_in_one_chunk():
     bus, service = LocalBus(), RecordingService()
     server = OnlineServer(bus, [QUEUE], service, engine, TokenDecoder(engine.tokenizer), None)
     message = completion(stream=True, max_tokens=3)
-    bus.send(QUEUE, message)
+    asyncio.run(bus.send(QUEUE, message))
     server._handle(bus.take([QUEUE], timeout=1))  # not started: the outbox fills until sent
     (job,) = service.jobs
     job.on_partial(streamed_output(job, [7]))
@@ -299,7 +299,7 @@ def test_a_stream_cancelled_with_chunks_unsent_sends_none_of_them(served):
     server.stop()
     server.join(timeout=5)
     message = completion(stream=True)
-    bus.send(QUEUE, message)
+    asyncio.run(bus.send(QUEUE, message))
     server._handle(bus.take([QUEUE], timeout=1))
     (job,) = service.jobs
     job.on_partial(streamed_output(job, [7]))
