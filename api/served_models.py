@@ -2,10 +2,11 @@
 model's queue, and reading the workers' rows for each one (a pooled connection's ping and a
 query) cost the API's process and PostgreSQL more than the rest of the request did.
 
-A model found served is taken as served for `ttl` seconds more; the ledger only knows a worker
-is gone `heartbeat_timeout` seconds after its last beat, so this adds little to how late the
-API hears of it (and a request sent meanwhile waits in the model's queue, as it would anyway).
-A model not found is looked up again every time: one that just started is served at once."""
+A model found served is taken as served for `ttl` seconds more. A worker that dies is known
+gone only `heartbeat_timeout` seconds after its last beat, so for it this adds little; one that
+stops cleanly is known gone at once, and a request sent within that second waits in the model's
+queue (served if a worker comes, else a 504 at CONVEYOR_ONLINE_TIMEOUT) instead of a 503. A
+model not found is looked up again every time: one that just started is served at once."""
 
 from __future__ import annotations
 
