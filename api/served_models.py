@@ -32,14 +32,21 @@ class ServedModels:
         self.reads = 0  # of the ledger
         self._last: tuple[float, set[str], set[str]] | None = None
 
-    def lookup(self, model: str | None) -> tuple[set[str], set[str]]:
-        """(models of live workers, models of workers gone silent), fresh enough to send a
-        request for `model` (None: the one model served) to its queue."""
+    def remembered(self, model: str | None) -> tuple[set[str], set[str]] | None:
+        """What `lookup` answers from memory, without the ledger; None when it would read it
+        (cheap: the routes ask here on the event loop before going to a thread)."""
         last = self._last
         if last is not None and self.clock() - last[0] < self.ttl:
             _, live, known = last
             if (model in live) if model is not None else live:
                 return live, known
+        return None
+
+    def lookup(self, model: str | None) -> tuple[set[str], set[str]]:
+        """(models of live workers, models of workers gone silent), fresh enough to send a
+        request for `model` (None: the one model served) to its queue."""
+        if (remembered := self.remembered(model)) is not None:
+            return remembered
         with self.ledger.reads() as session:
             live, known = served_models(session, self.heartbeat_timeout)
         self.reads += 1

@@ -227,7 +227,8 @@ def _typed_event(data: dict[str, Any]) -> bytes:
 async def _queue_of(state: AppState, model: str | None) -> str:
     """The online queue of `model` (of the one model served, when None); 404 for a model no
     worker serves or served, 503 for one whose workers are all gone."""
-    live, known = await run_in_threadpool(state.served.lookup, model)
+    served = state.served.remembered(model) or await run_in_threadpool(state.served.lookup, model)
+    live, known = served
     if model is None:
         listed = listed_names(sorted(live))  # as GET /v1/models names them
         if len(listed) != 1:

@@ -34,6 +34,7 @@ def test_a_served_model_is_read_once_a_second_and_a_new_one_at_once(database_url
         assert served.lookup("a") == ({"a"}, set())
         assert served.lookup(None)[0] == {"a"}  # the one model served
     assert served.reads == 2
+    assert served.remembered("a") == ({"a"}, set()) and served.remembered("b") is None
     start(ledger, "w2", "b")
     assert served.lookup("b")[0] == {"a", "b"} and served.reads == 3  # started meanwhile
     with ledger.session() as session:
