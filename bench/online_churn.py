@@ -14,6 +14,8 @@ the worker (first request started to last result written), and that per core-sec
 worker process had. The last is what the clients' requests cost the engine: where the API,
 the clients, Redis and PostgreSQL cannot all be kept off the worker's cores (PostgreSQL runs
 where the system puts it), the first two also count what they took from the worker.
+Each side also reports `submit_s`, its batches' upload and creation through the API: part of
+the wall-clock time, and the part the clients slow most (they load the API's core).
 
     python bench/online_churn.py                  # 50 clients, a 2048-request batch
     python bench/online_churn.py --clients 20 --requests 256
@@ -200,7 +202,9 @@ def run_batch(stack: Stack, tag: str, args: argparse.Namespace) -> dict:
         line["body"]["ignore_eos"] = True  # every run generates the same tokens
     path = write_jsonl(stack.root / f"{tag}.jsonl", lines)
     started = time.perf_counter()
-    done = wait_for(stack.api_url, submit_batch(stack.api_url, path), timeout=args.max_seconds)
+    batch_id = submit_batch(stack.api_url, path)
+    submitted = time.perf_counter() - started  # the upload and the batch's creation, via the API
+    done = wait_for(stack.api_url, batch_id, timeout=args.max_seconds)
     wall = time.perf_counter() - started
     assert done["request_counts"]["completed"] == args.requests, done
     tokens = done["usage"]["output_tokens"]
@@ -208,7 +212,8 @@ def run_batch(stack: Stack, tag: str, args: argparse.Namespace) -> dict:
              for name, pid in pids(stack).items()}  # fmt: skip
     run = run_seconds(stack, done["id"])
     return {"wall_s": round(wall, 2), "tok_s": round(tokens / wall, 1), "tokens": tokens,
-            "run_s": round(run, 2), "run_tok_s": round(tokens / run, 1), **cores}  # fmt: skip
+            "submit_s": round(submitted, 2), "run_s": round(run, 2),
+            "run_tok_s": round(tokens / run, 1), **cores}  # fmt: skip
 
 
 def run_seconds(stack: Stack, batch_id: str) -> float:
@@ -299,7 +304,9 @@ def summed(runs: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in runs)
     cores = {k: round(sum(r[k] * r["wall_s"] for r in runs) / wall, 2)
              for k in runs[0] if k.endswith("_cores")}  # fmt: skip
-    return {"wall_s": round(wall, 2), "tok_s": round(tokens / wall, 1), "run_s": round(run, 2),
+    submit = sum(r["submit_s"] for r in runs)
+    return {"wall_s": round(wall, 2), "tok_s": round(tokens / wall, 1),
+            "submit_s": round(submit, 2), "run_s": round(run, 2),
             "run_tok_s": round(tokens / run, 1), **cores}  # fmt: skip
 
 
