@@ -228,7 +228,8 @@ class Scheduler:
         """The most urgent priority first; within one, overdue sequences first (arrival
         order), then the longest cached prefix first."""
         if not self.cache_aware or len(self.waiting) > self.lpm_max_waiting:
-            return self._arrival_order()  # overdue ones lead: the queue is in arrival order
+            # by priority, then arrival (overdue ones lead), taken as they are asked for
+            return iter(self.waiting)
         bm = self.block_manager
         cutoff = self.clock() - self.max_waiting_time
 
@@ -238,11 +239,6 @@ class Scheduler:
             return (seq.request.priority, 1, -len(bm.match_prefix(seq)))
 
         return iter(sorted(self.waiting, key=key))
-
-    def _arrival_order(self) -> Iterator[Sequence]:
-        """The waiting sequences by priority, then arrival, taken as they are asked for."""
-        for priority in self.waiting.priorities():
-            yield from self.waiting.of(priority)
 
     def _uncomputed_prompt_keys(self, seq: Sequence) -> list[bytes]:
         """Keys of the full prompt blocks of `seq` whose KV is not computed yet."""

@@ -285,13 +285,13 @@ class LocalBus:
 
     async def cancel(self, queue_name: str, message: OnlineMessage, taken: bool = False) -> None:
         waiting = self._queue(queue_name)
-        with waiting.mutex:  # not taken yet: it leaves the queue
-            try:
-                if not taken:
+        if not taken:
+            with waiting.mutex:  # not taken yet: it leaves the queue
+                try:
                     waiting.queue.remove(message)
                     return
-            except ValueError:
-                pass
+                except ValueError:
+                    pass
         with self.lock:
             feeds = list(self.cancel_feeds)
         for feed in feeds:
