@@ -288,18 +288,42 @@ def greedy_agreement(plan: Plan, llm, path: Path, vocab: int) -> dict[str, Any]:
                            device=plan.device)  # fmt: skip
         logits = model(ids).logits[:, len(prompts[0]) - 1 : -1].float()
     del model
-    chosen = logits.gather(-1, ids[:, len(prompts[0]) :, None])
+    generated = ids[:, len(prompts[0]) :]
+    chosen = logits.gather(-1, generated[..., None])
     rank = (logits > chosen).sum(-1)  # 0: transformers' first choice too
     same = sum(_common_prefix(a, b) for a, b in zip(ours, theirs, strict=True))
     identical = sum(a == b for a, b in zip(ours, theirs, strict=True))
     first_choice = float((rank == 0).float().mean())
-    exact = plan.dtype.is_floating_point and plan.dtype.itemsize == 4
-    ok = identical == len(prompts) if exact else first_choice >= 0.95 and int(rank.max()) < 5
-    return {"check": "greedy_agreement", "ok": ok, "dtype": str(plan.dtype).removeprefix("torch."),
-            "identical_sequences": identical, "of": len(prompts),
-            "tokens_before_first_difference": round(same / (len(prompts) * tokens), 3),
-            "teacher_forced_first_choice": round(first_choice, 4),
-            "teacher_forced_worst_rank": int(rank.max())}  # fmt: skip
+    row = {"check": "greedy_agreement", "dtype": str(plan.dtype).removeprefix("torch."),
+           "identical_sequences": identical, "of": len(prompts),
+           "tokens_before_first_difference": round(same / (len(prompts) * tokens), 3),
+           "teacher_forced_first_choice": round(first_choice, 4),
+           "teacher_forced_worst_rank": int(rank.max())}  # fmt: skip
+    if plan.dtype.itemsize == 4:
+        return {**row, "ok": identical == len(prompts)}
+    # the float32 model's choices at the same prefixes are the truth both bf16 runs approximate:
+    # ours must agree with it as often as transformers' own bf16 does (two points of slack)
+    # or with transformers' bf16 at 95% of positions, and never fall out of its top 5
+    truth = float32_choices(plan, path, ids, len(prompts[0]))
+    ours_true = float((generated == truth).float().mean())
+    theirs_true = float((logits.argmax(-1) == truth).float().mean())
+    close = first_choice >= 0.95 or ours_true >= theirs_true - 0.02
+    return {**row, "ok": close and int(rank.max()) < 5,
+            "float32_first_choice": {"ours": round(ours_true, 4),
+                                     "transformers": round(theirs_true, 4)}}  # fmt: skip
+
+
+def float32_choices(plan: Plan, path: Path, ids, prompt_len: int):
+    """transformers' float32 model's greedy choice after each generated prefix."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model = model.to(plan.device).eval()
+    with torch.inference_mode():
+        choices = model(ids).logits[:, prompt_len - 1 : -1].argmax(-1)
+    del model
+    return choices
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -320,13 +344,15 @@ def throughput_vs_hf(plan: Plan, llm, path: Path, vocab: int) -> dict[str, Any]:
     # twice: the first run pays once-per-process costs (allocations, libraries' first calls)
     # that a long-lived worker pays once; transformers' rate is its best batch size's, after
     # its smaller batches have run
-    runs = []
+    runs, clocks = [], []
     for _ in range(2):
         sync(plan)
         start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
+        with StepClock(llm) as clock:
+            llm.generate(prompts, params, use_tqdm=False)
         sync(plan)
         runs.append(n * tokens / (time.perf_counter() - start))
+        clocks.append(clock.summary(time.perf_counter() - start))
     ours = max(runs)
     model = hf_model(plan, path)
     hf_rates = {}
@@ -346,7 +372,69 @@ def throughput_vs_hf(plan: Plan, llm, path: Path, vocab: int) -> dict[str, Any]:
     hf = {str(k): (round(v) if isinstance(v, float) else v) for k, v in hf_rates.items()}
     return {"check": "throughput_vs_hf", "ok": ratio >= 5, "goal": 5, "ratio": round(ratio, 2),
             "ours_tok_s": round(ours), "ours_first_run_tok_s": round(runs[0]), "hf_tok_s": hf,
+            "ours_steps": clocks[runs.index(ours)],
             "requests": n, "prompt_tokens": plan.context // 4, "output_tokens": tokens}  # fmt: skip
+
+
+class StepClock:
+    """Where a `generate` run's time goes: the engine's steps with and without prompt tokens
+    (their count and milliseconds), the share of decode steps replayed from graphs, and the
+    time in the model runner against the whole step (scheduling, sampling's read, outputs)."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+        self.kinds: dict[str, list[float]] = {"prefill": [0, 0.0], "decode": [0, 0.0]}
+        self.replays = 0
+        self.runner_s = 0.0
+
+    def __enter__(self) -> StepClock:
+        llm, runner, graphs = self.llm, self.llm.runner, self.llm.runner.graphs
+        run_model, step, replay = runner.run, llm.step, graphs.run if graphs else None
+
+        def timed_run(scheduled, *args):
+            start = time.perf_counter()
+            try:
+                return run_model(scheduled, *args)
+            finally:
+                self.runner_s += time.perf_counter() - start
+
+        def timed_step():
+            scheduled_prompt = any(
+                s.num_computed_tokens < s.num_prompt_tokens for s in llm.scheduler.running
+            ) or bool(llm.scheduler.waiting)
+            start = time.perf_counter()
+            try:
+                return step()
+            finally:
+                kind = self.kinds["prefill" if scheduled_prompt else "decode"]
+                kind[0] += 1
+                kind[1] += time.perf_counter() - start
+
+        def counted_replay(*args):
+            self.replays += 1
+            return replay(*args)
+
+        runner.run, llm.step = timed_run, timed_step
+        if graphs is not None:
+            graphs.run = counted_replay
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.llm.runner.run, self.llm.step
+        if self.llm.runner.graphs is not None:
+            del self.llm.runner.graphs.run
+
+    def summary(self, wall_s: float) -> dict[str, Any]:
+        decode_steps = self.kinds["decode"][0]
+        replayed = round(self.replays / decode_steps, 3) if decode_steps else None
+        return {
+            **{f"{k}_steps": int(n) for k, (n, _) in self.kinds.items()},
+            **{f"{k}_ms": round(s * 1e3, 1) for k, (_, s) in self.kinds.items()},
+            "graph_replays": self.replays,
+            "decode_steps_replayed": replayed,
+            "runner_ms": round(self.runner_s * 1e3, 1),
+            "outside_steps_ms": round((wall_s - sum(s for _, s in self.kinds.values())) * 1e3, 1),
+        }
 
 
 def _prefilled(llm, prompts: list[list[int]], tokens: int) -> None:

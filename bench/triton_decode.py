@@ -27,19 +27,22 @@ CASES = [(64, 2048), (8, 32768)]
 GOAL = 0.70
 
 
-def cuda_time(fn, warmup: int = 5, iters: int = 50) -> float:
-    """Median seconds per call, by CUDA events."""
+def cuda_time(fn, warmup: int = 5, iters: int = 50, per_timing: int = 10) -> float:
+    """Median seconds per call, by CUDA events around `per_timing` calls queued back to back:
+    the device's time, not the host's launch latency (an event pair around one short call
+    would count the device idling while Python launches it)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
-    for _ in range(iters):
+    for _ in range(max(1, iters // per_timing)):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(per_timing):
+            fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / per_timing)
     times.sort()
     return times[len(times) // 2]
 
