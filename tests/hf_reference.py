@@ -23,7 +23,9 @@ def hf_model(path: str):
 
 
 @functools.cache
-def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+def _hf_greedy(
+    path: str, prompt: tuple[int, ...], max_new_tokens: int, use_cache: bool = True
+) -> tuple[int, ...]:
     """transformers' greedy continuation of one unpadded prompt (it stops at EOS, as we do)."""
     model = hf_model(path)
     with torch.no_grad():
@@ -32,12 +34,26 @@ def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=max_new_tokens,
             do_sample=False,
+            use_cache=use_cache,
         )
     return tuple(out[0, len(prompt) :].tolist())
 
 
-def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
-    return list(_hf_greedy(str(path), tuple(prompt), max_new_tokens))
+def hf_greedy(
+    path: Path, prompt: list[int], max_new_tokens: int, use_cache: bool = True
+) -> list[int]:
+    """transformers' greedy continuation; without its cache, every token comes from a forward
+    pass over the whole sequence so far."""
+    return list(_hf_greedy(str(path), tuple(prompt), max_new_tokens, use_cache))
+
+
+def hf_greedy_long_rope(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation under LongRoPE, as its Phi-3 `generate` means it: a
+    sequence that grows past the original length has all of its K/V computed again on the long
+    factors. Its `generate` does that by dropping its cache at that point, in the versions where
+    that override takes effect (transformers 5.17 kept the cache, its keys on the short
+    factors); without a cache every step is that computation, in every version."""
+    return hf_greedy(path, prompt, max_new_tokens, use_cache=False)
 
 
 def hf_logprobs(path: Path, token_ids: list[int]) -> torch.Tensor:

@@ -14,7 +14,7 @@ import pytest
 from conveyor.demo_model import write_tiny_model
 from conveyor.engine import LLM, SamplingParams
 from conveyor.engine.models.layers import LongRope
-from tests.hf_reference import hf_greedy, random_prompts
+from tests.hf_reference import hf_greedy_long_rope, random_prompts
 
 ORIGINAL = 48  # original_max_position_embeddings: the long factors start past it
 HEAD_DIM = 16
@@ -75,7 +75,8 @@ def test_greedy_on_both_sides_of_the_original_length_matches_transformers(phi, m
     assert any(len(p) < ORIGINAL < len(p) + m for p, m in zip(PROMPTS, MAX_TOKENS, strict=True))
     assert any(len(p) > ORIGINAL for p in PROMPTS)
     for prompt, m, out in zip(PROMPTS, MAX_TOKENS, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(path, prompt, m), f"{len(prompt)} tokens"
+        want = hf_greedy_long_rope(path, prompt, m)
+        assert out.outputs[0].token_ids == want, f"{len(prompt)} tokens"
     if config == "tiny-pool-preempts":
         assert llm.stats().num_preemptions > 0
 
@@ -93,7 +94,7 @@ def test_long_and_short_sequences_share_cached_blocks_only_with_their_own_kind(p
         before = llm.stats().prompt_tokens_cached
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
         out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-        assert out == hf_greedy(path, prompt, max_tokens)
+        assert out == hf_greedy_long_rope(path, prompt, max_tokens)
         return out, llm.stats().prompt_tokens_cached - before
 
     assert run(short, 6)[1] == 0

@@ -417,7 +417,7 @@ def test_engine_greedy_with_long_rope_on_part_of_each_head_matches_transformers_
     from conveyor.demo_model import write_tiny_model
     from conveyor.engine import LLM, SamplingParams
     from tests.engine.test_long_rope import ORIGINAL, long_rope_config
-    from tests.hf_reference import hf_greedy, random_prompts
+    from tests.hf_reference import hf_greedy_long_rope, random_prompts
 
     path = write_tiny_model(tmp_path / "phi", "phi3", partial_rotary_factor=0.75,
                             **long_rope_config(12))  # fmt: skip
@@ -426,7 +426,7 @@ def test_engine_greedy_with_long_rope_on_part_of_each_head_matches_transformers_
     prompts = random_prompts(2, ORIGINAL - 8, ORIGINAL + 12, seed=8)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=14), use_tqdm=False)
     for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(path, prompt, 14)
+        assert out.outputs[0].token_ids == hf_greedy_long_rope(path, prompt, 14)
 
 
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
