@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 import torch
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 
@@ -164,8 +165,12 @@ def fake_cuda() -> Iterator[Transfers]:
             return _placeholder(self).tolist()
 
     original, FakeTensor.tolist = FakeTensor.tolist, tolist
+    # with a real GPU, a fake tensor's first use of a device makes a real tensor there, which
+    # fails for `cuda:1` on a one-GPU machine; fake tensors need no device context
+    init_context, fake_tensor.init_gpu_context = fake_tensor.init_gpu_context, lambda device: None
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), _Routing(transfers), torch.device("cuda"):
             yield transfers
     finally:
         FakeTensor.tolist = original
+        fake_tensor.init_gpu_context = init_context
