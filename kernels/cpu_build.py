@@ -19,6 +19,8 @@ log = logging.getLogger(__name__)
 # the flags of the AVX512-BF16 kernels in csrc/
 AVX512_BF16_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma",
                      "-fopenmp", "-shared", "-fPIC")  # fmt: skip
+# the flags of the AVX2 float32 kernels
+AVX2_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 
 
 def cache_dir(*parts: str) -> Path:
@@ -46,6 +48,10 @@ def cpu_has_avx512_bf16() -> bool:
     return {"avx512_bf16", "avx512bw"} <= cpu_flags()
 
 
+def cpu_has_avx2() -> bool:
+    return {"avx2", "fma"} <= cpu_flags()
+
+
 def build_library(compiler: str, source: Path, flags: tuple[str, ...]) -> Path:
     """The shared library of `source`, built once into the cache dir under a name hashed from
     the source, the headers beside it, the flags and the compiler's version."""
@@ -71,12 +77,23 @@ def load_avx512_bf16(source: Path, fallback: str) -> ctypes.CDLL | None:
     is found or the build fails."""
     if not cpu_has_avx512_bf16():
         return None
+    return _load(source, AVX512_BF16_FLAGS, fallback)
+
+
+def load_avx2(source: Path, fallback: str) -> ctypes.CDLL | None:
+    """One of csrc/'s AVX2 (and FMA) kernels, as `load_avx512_bf16` loads its own."""
+    if not cpu_has_avx2():
+        return None
+    return _load(source, AVX2_FLAGS, fallback)
+
+
+def _load(source: Path, flags: tuple[str, ...], fallback: str) -> ctypes.CDLL | None:
     compiler = cxx()
     if compiler is None:
         log.warning("%s: no C++ compiler; %s", source.name, fallback)
         return None
     try:
-        return ctypes.CDLL(str(build_library(compiler, source, AVX512_BF16_FLAGS)))
+        return ctypes.CDLL(str(build_library(compiler, source, flags)))
     except (OSError, subprocess.CalledProcessError) as err:
         log.warning("%s did not build (%s); %s", source.name, err, fallback)
         return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.kernels import cascade, native_paged, torch_paged
+from conveyor.kernels import cascade, native_paged, native_paged_f32, torch_paged
 
 
 class TorchPagedAttention:
@@ -79,8 +79,9 @@ class TorchPagedAttention:
 class CompiledPagedAttention(TorchPagedAttention):
     """The torch path with its decode attention compiled (CPU): no gathered K/V copies. In
     bfloat16 on a CPU with AVX512-BF16 both decode and prefill attention are `native_paged`'s
-    kernel; elsewhere the decode is the one inductor compiles (`compiled_paged`) and prefill
-    is torch's."""
+    kernel; in float32 on a CPU with AVX2 the decode is `native_paged_f32`'s; elsewhere the
+    decode is the one inductor compiles (`compiled_paged`). Prefill is torch's but for the
+    AVX512-BF16 kernel's."""
 
     name = "compiled"
 
@@ -101,11 +102,12 @@ class CompiledPagedAttention(TorchPagedAttention):
         self, query, k_cache, v_cache, block_tables, context_lens, scale, return_lse=False,
         window=None, softcap=None,
     ):  # fmt: skip
-        if native_paged.covers(query, k_cache):
-            return native_paged.decode_attention(
-                query, k_cache, v_cache, block_tables, context_lens, scale, return_lse, window,
-                softcap,
-            )  # fmt: skip
+        for native in (native_paged, native_paged_f32):
+            if native.covers(query, k_cache):
+                return native.decode_attention(
+                    query, k_cache, v_cache, block_tables, context_lens, scale, return_lse,
+                    window, softcap,
+                )  # fmt: skip
         return self.inductor_decode(
             query, k_cache, v_cache, block_tables, context_lens, scale, return_lse, window, softcap
         )
