@@ -116,6 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_run_arguments(ap)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--attention", default="auto")
+    ap.add_argument("--elementwise", default="auto", help="norms, rope and activation's path")
     ap.add_argument("--sequences", type=int, default=96)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
@@ -127,7 +128,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     m = set_up(args)
     try:
-        options = dict(dtype=args.dtype, attention_backend=args.attention)
+        options = dict(
+            dtype=args.dtype, attention_backend=args.attention, elementwise=args.elementwise
+        )
         wl = make_workload(args.sequences, (32, 400), (1, 1), m.shape.vocab, args.seed)
         llm = LLM(str(m.path), **options)
         llm.generate(wl.prompts[:4], SamplingParams(max_tokens=4), use_tqdm=False)  # compile
