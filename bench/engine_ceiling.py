@@ -13,7 +13,7 @@ The ceiling: `F.linear` timed at every projection's shape at 64, 256 and 2,048 r
 engine's dtype; the best rate of all is the machine's ceiling. The workload's FLOPs: the
 projections for every prompt and generated token (of the last layer, only q/k/v for a prompt
 token before the last, whose hidden state nobody reads), the output layer for the rows sampled,
-and attention over each token's context. Goals: >= 25% of the ceiling on defaults, and >= 5x
+and attention over each token's context. Goals: >= 50% of the ceiling on defaults, and >= 5x
 transformers `generate` at the same dtype on the same requests: static batches of `--hf-batch`
 (32, its best here: on 128 of these requests in bfloat16, batches of 16 and 32 tied at 421
 tok/s, 64 gave 416, 128 gave 275, and 8 ran 10-30% slower than 32), left-padded, each batch
@@ -46,7 +46,7 @@ from report import print_result, rule, table
 
 from conveyor.engine import LLM, SamplingParams
 
-GOAL_CEILING = 0.25
+GOAL_CEILING = 0.5
 GOAL_VS_HF = 5.0
 ROWS = (64, 256, 2048)
 
