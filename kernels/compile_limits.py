@@ -32,7 +32,12 @@ def compile_kernel(fn: Callable[..., Any], *, dynamic: bool) -> Callable[..., An
     """`torch.compile(fn)` with room for every model the process loads: where Conveyor
     compiles its CPU kernels."""
     allow_model_variants()
+    import torch._inductor.config as inductor
+
     # rounded to bfloat16 where eager rounds (after each op), not once at the end of a fused
     # loop: transformers computes eagerly, and a model's answers must match its (seen: Gemma 3's
-    # GeGLU in bfloat16, logprobs 0.14 apart where eager rounding is 0.03 apart)
-    return torch.compile(fn, dynamic=dynamic, options={"emulate_precision_casts": True})
+    # GeGLU in bfloat16, logprobs 0.14 apart where eager rounding is 0.03 apart); older torch
+    # versions have no such option
+    emulate = hasattr(inductor, "emulate_precision_casts")
+    options = {"emulate_precision_casts": True} if emulate else {}
+    return torch.compile(fn, dynamic=dynamic, options=options)
