@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
+import os
 import sys
 import tempfile
 from collections.abc import Callable
@@ -438,8 +440,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
             f"{PROG} eval: interrupted; the batches it made go on: run the same command again "
             "to attach to them",
             file=sys.stderr,
+            flush=True,
         )
-        return EXIT_INTERRUPTED
+        # nothing is left to save, and the interpreter's teardown of lm-eval, datasets and
+        # torch takes a second or two of a Ctrl-C
+        logging.shutdown()
+        os._exit(EXIT_INTERRUPTED)
     finally:
         sys.argv = saved
     return EXIT_OK
