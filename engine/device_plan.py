@@ -6,8 +6,9 @@ implementations of a piece:
 - attention: `kernels.selector` (Triton on CUDA; on the CPU the compiled C++ path, or the torch
   reference without a compiler);
 - elementwise (norms, rope, the activation): `kernels.triton_layers` on CUDA,
-  `kernels.native_layers` in bfloat16 on a CPU with AVX512-BF16, loops compiled by inductor on
-  other CPUs with a compiler, torch's eager ops where nothing can be built;
+  `kernels.native_layers` in bfloat16 on a CPU with AVX512-BF16 and in float32 on one with AVX2,
+  loops compiled by inductor on other CPUs with a compiler, torch's eager ops where nothing can
+  be built;
 - projections: oneDNN's prepacked weights on the CPU where oneDNN runs the dtype (its bfloat16
   path needs avx512bw/vl/dq or avx_ne_convert), the plain product (cuBLAS, MKL) elsewhere.
 """
@@ -72,13 +73,12 @@ def plan_device(
     if elementwise == "auto":
         elementwise = _fastest_elementwise(device, dtype, hidden, head_dim, intermediate, reasons)
     elif elementwise == NATIVE and not (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and native_layers.covers(hidden, head_dim, intermediate)
+        device.type == "cpu" and native_layers.covers(hidden, head_dim, intermediate, dtype)
     ):
         raise ValueError(
-            "elementwise native: the native kernels run bfloat16 on a CPU with AVX512-BF16, for "
-            "hidden and intermediate sizes that are multiples of 16 and head sizes of 32"
+            "elementwise native: the native kernels run bfloat16 on a CPU with AVX512-BF16 (hidden "
+            "and intermediate sizes multiples of 16, head sizes of 32) and float32 on a CPU with "
+            "AVX2 and FMA (multiples of 8, head sizes of 16)"
         )
     elif elementwise == TRITON and not triton_available(device):
         raise ValueError(
@@ -104,7 +104,7 @@ def _fastest_elementwise(
     if device.type != "cpu":
         reasons["elementwise"] = f"no fused kernels for {device.type} here (Triton): torch's ops"
         return EAGER
-    if dtype == torch.bfloat16 and native_layers.covers(hidden, head_dim, intermediate):
+    if native_layers.covers(hidden, head_dim, intermediate, dtype):
         return NATIVE
     from conveyor.kernels import compiled_paged
 

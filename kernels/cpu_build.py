@@ -21,6 +21,8 @@ AVX512_BF16_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf
                      "-fopenmp", "-shared", "-fPIC")  # fmt: skip
 # the flags of the AVX2 float32 kernels
 AVX2_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+# and of those that round after every product and sum, as torch's eager ops do
+AVX2_UNFUSED_FLAGS = (*AVX2_FLAGS, "-ffp-contract=off")
 
 
 def cache_dir(*parts: str) -> Path:
@@ -80,11 +82,13 @@ def load_avx512_bf16(source: Path, fallback: str) -> ctypes.CDLL | None:
     return _load(source, AVX512_BF16_FLAGS, fallback)
 
 
-def load_avx2(source: Path, fallback: str) -> ctypes.CDLL | None:
+def load_avx2(
+    source: Path, fallback: str, flags: tuple[str, ...] = AVX2_FLAGS
+) -> ctypes.CDLL | None:
     """One of csrc/'s AVX2 (and FMA) kernels, as `load_avx512_bf16` loads its own."""
     if not cpu_has_avx2():
         return None
-    return _load(source, AVX2_FLAGS, fallback)
+    return _load(source, flags, fallback)
 
 
 def _load(source: Path, flags: tuple[str, ...], fallback: str) -> ctypes.CDLL | None:

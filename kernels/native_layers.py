@@ -1,15 +1,17 @@
-"""The decoder layer's elementwise steps in bfloat16 for x86 CPUs with AVX512-BF16, from
-`csrc/layers_bf16.cpp`: RMSNorm with the residual add before it, rope, and SiLU(gate) * up;
-and a greedy step's pick, each row's first maximum (`first_max_index`).
+"""The decoder layer's elementwise steps as one pass each over their rows, for x86 CPUs: RMSNorm
+with the residual add before it, rope, and SiLU(gate) * up; in bfloat16 with AVX512-BF16
+(`csrc/layers_bf16.cpp`, which also has a greedy step's pick, each row's first maximum:
+`first_max_index`), in float32 with AVX2 and FMA (`csrc/layers_f32.cpp`). Each function takes
+the kernel of its input's dtype.
 
-Each is one pass over its rows and one ctypes call. Eager torch makes several passes in
-bfloat16 (converting to float32 and back in each), and inductor's compiled versions of the
-same functions cost 40-50 us a call to enter, dozens of calls a decode step. Results are
-rounded to bfloat16 where the eager modules round them, so they match the eager path up to
-the order of float32 sums.
+Each is one ctypes call. Eager torch makes several passes (in bfloat16 converting to float32
+and back in each), and inductor's compiled versions of the same functions cost 40-50 us a call
+to enter, dozens of calls a decode step. Results are rounded where the eager modules round
+them, so they match the eager path up to the order of float32 sums (and, in float32, SiLU's
+e^x within ~1e-7).
 
-Built and cached like `native_paged`'s kernel (`kernels.cpu_build`); `available()` says
-whether it runs here.
+Built and cached like `native_paged`'s kernel (`kernels.cpu_build`); `available(dtype)` says
+whether the kernel of that dtype runs here.
 """
 
 from __future__ import annotations
@@ -20,40 +22,69 @@ from pathlib import Path
 
 import torch
 
-from conveyor.kernels.cpu_build import load_avx512_bf16
+from conveyor.kernels.cpu_build import AVX2_UNFUSED_FLAGS, load_avx2, load_avx512_bf16
 
 SOURCE = Path(__file__).parent / "csrc" / "layers_bf16.cpp"
+SOURCE_F32 = Path(__file__).parent / "csrc" / "layers_f32.cpp"
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+# each kernel's sizes: hidden and intermediate sizes, head sizes, multiples of these
+_MULTIPLES = {torch.bfloat16: (16, 32), torch.float32: (8, 16)}
+_NAMES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def _bind(lib: ctypes.CDLL, suffix: str) -> None:
+    signatures = {
+        "rms_norm": [_P, _I, _P, _P, _P, _I, _I, _F, _T],
+        "silu_mul": [_P, _I, _P, _I, _I, _T],
+        "rope": [_P, _I, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _T],
+    }
+    if suffix == "bf16":
+        signatures["argmax"] = [_P, _I, _I, _I, _P, _T]
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, f"conveyor_{name}_{suffix}")
+        fn.argtypes, fn.restype = argtypes, None
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = load_avx512_bf16(SOURCE, "norms, rope and activation stay compiled or eager")
-    if lib is None:
+def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
+    """The kernel of `dtype`, built and loaded; None where it cannot be built or run here."""
+    fallback = "norms, rope and activation stay compiled or eager"
+    if dtype == torch.bfloat16:
+        lib = load_avx512_bf16(SOURCE, fallback)
+    elif dtype == torch.float32:
+        lib = load_avx2(SOURCE_F32, fallback, AVX2_UNFUSED_FLAGS)
+    else:
         return None
-    lib.conveyor_rms_norm_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _I, _F, _T]
-    lib.conveyor_silu_mul_bf16.argtypes = [_P, _I, _P, _I, _I, _T]
-    lib.conveyor_rope_bf16.argtypes = [_P, _I, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _T]
-    lib.conveyor_argmax_bf16.argtypes = [_P, _I, _I, _I, _P, _T]
-    for fn in (lib.conveyor_rms_norm_bf16, lib.conveyor_silu_mul_bf16, lib.conveyor_rope_bf16,
-               lib.conveyor_argmax_bf16):  # fmt: skip
-        fn.restype = None
+    if lib is not None:
+        _bind(lib, _NAMES[dtype])
     return lib
 
 
-def available() -> bool:
-    return _library() is not None
+def available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    return _library(dtype) is not None
 
 
-def covers(hidden: int, head_dim: int, intermediate: int) -> bool:
-    """Whether these kernels take a model of these sizes (and built here)."""
-    return hidden % 16 == 0 and head_dim % 32 == 0 and intermediate % 16 == 0 and available()
+def covers(hidden: int, head_dim: int, intermediate: int, dtype: torch.dtype) -> bool:
+    """Whether these kernels take a model of these sizes in `dtype` (and built here)."""
+    if dtype not in _MULTIPLES:
+        return False
+    width, head = _MULTIPLES[dtype]
+    return (
+        hidden % width == 0
+        and intermediate % width == 0
+        and head_dim % head == 0
+        and available(dtype)
+    )
+
+
+def _call(name: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
+    return getattr(_library(dtype), f"conveyor_{name}_{_NAMES[dtype]}")
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """A bfloat16 CPU tensor [..., dim] as [rows, dim] with each row contiguous (a view where
-    the rows are evenly spaced, else a copy)."""
-    assert x.dtype == torch.bfloat16 and x.device.type == "cpu"
+    """A CPU tensor [..., dim] as [rows, dim] with each row contiguous (a view where the rows
+    are evenly spaced, else a copy)."""
+    assert x.dtype in _NAMES and x.device.type == "cpu"
     flat = x.reshape(-1, x.shape[-1])
     return flat if flat.stride(-1) == 1 else flat.contiguous()
 
@@ -67,7 +98,7 @@ def rms_norm(
     out = torch.empty(x.shape, dtype=x.dtype)
     if residual is not None:
         assert residual.is_contiguous() and residual.shape == x.shape
-    _library().conveyor_rms_norm_bf16(
+    _call("rms_norm", x.dtype)(
         flat.data_ptr(), flat.stride(0), None if residual is None else residual.data_ptr(),
         weight.data_ptr(), out.data_ptr(), flat.shape[0], flat.shape[1], eps,
         torch.get_num_threads(),
@@ -80,7 +111,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     flat = _rows(gate_up)
     inter = gate_up.shape[-1] // 2
     out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype)
-    _library().conveyor_silu_mul_bf16(
+    _call("silu_mul", gate_up.dtype)(
         flat.data_ptr(), flat.stride(0), out.data_ptr(), flat.shape[0], inter,
         torch.get_num_threads(),
     )  # fmt: skip
@@ -97,7 +128,7 @@ def rope(
     assert q.stride(1) == dim and k.stride(1) == dim and q.stride(2) == 1 and k.stride(2) == 1
     assert cos.is_contiguous() and sin.is_contiguous() and cos.dtype == q.dtype
     q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
-    _library().conveyor_rope_bf16(
+    _call("rope", q.dtype)(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), cos.data_ptr(), sin.data_ptr(),
         q_out.data_ptr(), k_out.data_ptr(), tokens, q_heads, k_heads, dim,
         torch.get_num_threads(),
@@ -108,9 +139,10 @@ def rope(
 def first_max_index(x: torch.Tensor) -> torch.Tensor:
     """Each row's first maximum, as `x.max(dim=-1).indices` (a NaN wins), for [rows, n]
     bfloat16 logits: one pass in bfloat16, 5-8x faster than torch's float32 reduction."""
+    assert x.dtype == torch.bfloat16
     flat = _rows(x)
     out = torch.empty(flat.shape[0], dtype=torch.int64)
-    _library().conveyor_argmax_bf16(
+    _library(torch.bfloat16).conveyor_argmax_bf16(
         flat.data_ptr(), flat.shape[0], flat.shape[1], flat.stride(0), out.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip

@@ -32,12 +32,29 @@ def test_the_attention_backend_does_not_decide_the_elementwise_ops(compiler, mon
         assert (plan.attention, plan.elementwise) == (attention, "compiled")
 
 
-def test_bfloat16_on_a_cpu_with_the_native_kernels_takes_them(compiler, monkeypatch):
-    monkeypatch.setattr(native_layers, "covers", lambda *_: True)
+def test_a_dtype_whose_native_kernels_run_here_takes_them(compiler, monkeypatch):
+    """bfloat16 where the CPU has AVX512-BF16, float32 where it has AVX2: each dtype's kernel
+    decides for itself."""
+    monkeypatch.setattr(native_layers, "covers", lambda *args: args[-1] == torch.bfloat16)
     assert plan_device(CPU, torch.bfloat16, "torch", **DIMS).elementwise == "native"
     assert plan_device(CPU, torch.float32, "torch", **DIMS).elementwise == "compiled"
+    monkeypatch.setattr(native_layers, "covers", lambda *args: args[-1] == torch.float32)
+    assert plan_device(CPU, torch.float32, "torch", **DIMS).elementwise == "native"
+    assert plan_device(CPU, torch.bfloat16, "torch", **DIMS).elementwise == "compiled"
     forced = plan_device(CPU, torch.bfloat16, "torch", elementwise="eager", **DIMS)
     assert forced.elementwise == "eager" and "elementwise" not in forced.reasons  # as asked
+
+
+def test_the_native_kernels_cover_what_they_take():
+    """Sizes a kernel's vectors cannot take, and dtypes with no kernel, are never native."""
+    for dtype in (torch.float16, torch.float64):
+        assert not native_layers.covers(512, 64, 1408, dtype)
+    assert not native_layers.covers(512, 24, 1408, torch.float32)  # half a head: 12 lanes
+    assert not native_layers.covers(516, 64, 1408, torch.float32)
+    assert not native_layers.covers(512, 16, 1408, torch.bfloat16)
+    assert native_layers.covers(512, 16, 1400, torch.float32) == native_layers.available(
+        torch.float32
+    )
 
 
 def test_what_cannot_run_here_is_refused_or_said(monkeypatch):
