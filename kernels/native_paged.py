@@ -38,15 +38,17 @@ def covers(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return query.dtype == torch.bfloat16 and takes_shape(query, k_cache) and _library() is not None
 
 
-def takes_shape(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def takes_shape(
+    query: torch.Tensor, k_cache: torch.Tensor, head_dims: tuple[int, ...] = HEAD_DIMS
+) -> bool:
     """Whether the CPU attention kernels in csrc/ take these shapes: blocks of `BLOCK_SIZE`
-    tokens in a contiguous cache, a head size of `HEAD_DIMS`, at most `MAX_GROUP` query heads
+    tokens in a contiguous cache, a head size of `head_dims`, at most `MAX_GROUP` query heads
     per KV head."""
     heads, kv_heads = query.shape[1], k_cache.shape[1]
     return (
         query.device.type == "cpu"
         and k_cache.shape[2] == BLOCK_SIZE
-        and query.shape[2] in HEAD_DIMS
+        and query.shape[2] in head_dims
         and heads % kv_heads == 0
         and heads // kv_heads <= MAX_GROUP
         and k_cache.is_contiguous()

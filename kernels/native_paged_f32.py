@@ -6,8 +6,9 @@ Like `native_paged`'s bfloat16 kernel it reads each sequence's K/V blocks in pla
 block table, once per KV head for all the query heads that share it, with an online softmax per
 block: at a decode step of 96 sequences with contexts of 32-400 (an AVX2-only CPU, 2 cores) it
 runs 1.3-1.5x as fast as the inductor-compiled decode (`compiled_paged`), which stays the decode for
-the shapes this kernel does not take. It covers blocks of 16 tokens, head sizes 64 and 128, up
-to 16 query heads per KV head, a sliding window and a soft cap on the scores.
+the shapes this kernel does not take. It covers blocks of 16 tokens, the head sizes of
+`HEAD_DIMS` (Phi-3's 96 and Gemma's 256 among them), up to 16 query heads per KV head, a sliding
+window and a soft cap on the scores.
 
 Built with the C++ compiler on first use and cached as `native_paged`'s kernel is
 (`kernels.cpu_build`); `covers` says whether it runs a decode here.
@@ -25,6 +26,7 @@ from conveyor.kernels import native_paged
 from conveyor.kernels.cpu_build import load_avx2
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_f32.cpp"
+HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the kernel's instances (csrc/paged_attention_f32.cpp)
 
 
 def covers(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -32,7 +34,7 @@ def covers(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (
         query.dtype == torch.float32
         and k_cache.dtype == torch.float32
-        and native_paged.takes_shape(query, k_cache)
+        and native_paged.takes_shape(query, k_cache, HEAD_DIMS)
         and _library() is not None
     )
 

@@ -167,7 +167,6 @@ int conveyor_paged_decode_f32(const float* query, const float* k_cache, const fl
                               int64_t head_dim, int64_t table_width, float scale, int threads,
                               int64_t window, float softcap) {
   if (kv_heads < 1 || heads % kv_heads != 0 || heads / kv_heads > kMaxGroup) return -1;
-  if (head_dim != 64 && head_dim != 128) return -1;
   const auto run = [&](auto d, auto g) {
     decode<decltype(d)::value, decltype(g)::value>(query, k_cache, v_cache, tables, context_lens,
                                                    out, lse, batch, heads, kv_heads, table_width,
@@ -182,10 +181,14 @@ int conveyor_paged_decode_f32(const float* query, const float* k_cache, const fl
       default: return run(d, std::integral_constant<int64_t, 0>{});
     }
   };
-  if (head_dim == 64) {
-    for_group(std::integral_constant<int64_t, 64>{});
-  } else {
-    for_group(std::integral_constant<int64_t, 128>{});
+  switch (head_dim) {  // as native_paged_f32.HEAD_DIMS
+    case 16: for_group(std::integral_constant<int64_t, 16>{}); break;
+    case 32: for_group(std::integral_constant<int64_t, 32>{}); break;
+    case 64: for_group(std::integral_constant<int64_t, 64>{}); break;
+    case 96: for_group(std::integral_constant<int64_t, 96>{}); break;
+    case 128: for_group(std::integral_constant<int64_t, 128>{}); break;
+    case 256: for_group(std::integral_constant<int64_t, 256>{}); break;
+    default: return -1;
   }
   return 0;
 }

@@ -25,8 +25,9 @@ def setup(lens, heads, kv_heads, head_dim, seed=0):
 )
 @pytest.mark.parametrize(
     "heads, kv_heads, head_dim",
-    [(8, 4, 64), (4, 4, 128), (16, 1, 64), (8, 1, 128), (6, 2, 64), (16, 4, 64)],
-)
+    [(8, 4, 64), (4, 4, 128), (16, 1, 64), (8, 1, 128), (6, 2, 64), (16, 4, 64), (4, 2, 16),
+     (8, 8, 32), (8, 2, 96), (8, 4, 256)],
+)  # fmt: skip
 def test_decode_matches_the_reference(lens, heads, kv_heads, head_dim) -> None:
     query, k_cache, v_cache, tables, context = setup(lens, heads, kv_heads, head_dim, len(lens))
     assert native_paged_f32.covers(query, k_cache)
@@ -41,7 +42,9 @@ def test_decode_matches_the_reference(lens, heads, kv_heads, head_dim) -> None:
 
 
 @pytest.mark.parametrize("window, softcap", [(1, None), (20, None), (None, 5.0), (7, 3.0)])
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 4, 64), (4, 4, 128), (6, 2, 64)])
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim", [(8, 4, 64), (4, 4, 128), (6, 2, 64), (4, 2, 16), (8, 4, 256)]
+)
 def test_decode_honours_a_window_and_a_soft_cap(window, softcap, heads, kv_heads, head_dim):
     query, k_cache, v_cache, tables, context = setup([1, 17, 300, 5, 64, 20, 21], heads,
                                                      kv_heads, head_dim, seed=2)  # fmt: skip
@@ -66,7 +69,7 @@ def test_what_the_kernel_covers() -> None:
     query, k_cache, _, _, _ = setup([5], 8, 4, 64)
     assert native_paged_f32.covers(query, k_cache)
     assert not native_paged_f32.covers(query.bfloat16(), k_cache.bfloat16())
-    assert not native_paged_f32.covers(query[..., :32], k_cache[..., :32])  # head size 32
+    assert not native_paged_f32.covers(query[..., :48], k_cache[..., :48])  # head size 48
     assert not native_paged_f32.covers(query, torch.zeros(4, 4, 32, 64))  # blocks of 32 tokens
     assert not native_paged_f32.covers(torch.zeros(1, 17, 64), torch.zeros(4, 1, 16, 64))  # 17
 
@@ -79,7 +82,7 @@ def test_compiled_backend_decodes_float32_through_the_kernel(monkeypatch) -> Non
     backend.decode_attention(query, k_cache, v_cache, tables, context, 0.1)
     assert calls == [1]
     # a shape it does not take goes to the inductor kernel, which answers as the reference does
-    odd_q, odd_k, odd_v, odd_tables, odd_context = setup([3, 40], 8, 4, 32)
+    odd_q, odd_k, odd_v, odd_tables, odd_context = setup([3, 40], 8, 4, 80)
     got = backend.decode_attention(odd_q, odd_k, odd_v, odd_tables, odd_context, 0.1)
     torch.testing.assert_close(
         got, ref.decode_attention(odd_q, odd_k, odd_v, odd_tables, odd_context, 0.1)
