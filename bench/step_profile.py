@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import time
 from collections import defaultdict
+from datetime import date
 
 from engine_vs_hf import make_workload
+from machine import cpu_isa, git_state
 from random_llama import add_model_arguments, add_run_arguments, set_up
 from report import print_result, rule, table
 
@@ -163,9 +165,12 @@ def main(argv: list[str] | None = None) -> dict:
         )
         table(rows, ("part", "decode ms", "share", "prefill ms", "share"))
         result = {"bench": "step_profile", "dtype": str(llm.dtype).removeprefix("torch."),
-                  "attention": llm.runner.backend.name, "sequences": args.sequences,
+                  "attention": llm.runner.backend.name, "elementwise": llm.plan.elementwise,
+                  "sequences": args.sequences,
                   "decode_ms": {k: round(v * 1e3, 2) for k, v in decode.items()},
-                  "prefill_ms": {k: round(v * 1e3, 2) for k, v in prefill.items()}}  # fmt: skip
+                  "prefill_ms": {k: round(v * 1e3, 2) for k, v in prefill.items()},
+                  "cpu_isa": cpu_isa(), "date": date.today().isoformat(),
+                  "code": git_state()}  # fmt: skip
     finally:
         m.cleanup()
     print_result(result)
