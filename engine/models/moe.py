@@ -19,7 +19,8 @@ from torch import nn
 
 from conveyor.engine.batch_invariant import Product, in_row_tiles
 from conveyor.engine.models.decoder import MLP, activation_of, dense_mlp
-from conveyor.engine.models.layers import TRITON, Linear, RowTiled, RunsActivation
+from conveyor.engine.models.layers import NATIVE, TRITON, Linear, RowTiled, RunsActivation
+from conveyor.kernels import native_experts
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class Experts(RowTiled, RunsActivation, nn.Module):
         self.down = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.names = names
         self.grouped: bool | None = None  # decided by `prepack`, from the weights' device and dtype
+        self.k_major = False  # the weights laid out for `native_experts` (`_native_runs`)
 
     def checkpoint_names(self, prefix: str) -> dict[str, tuple[str, Any]]:
         """checkpoint tensor name -> (our parameter, its index) for every expert."""
@@ -114,11 +116,38 @@ class Experts(RowTiled, RunsActivation, nn.Module):
         # not bincount: its length depends on the values, which a CUDA graph cannot capture
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
-        h = self.silu_and_mul(self._linear(rows, self.gate_up, counts))
-        out = self._linear(h, self.down, counts) * top_weights.reshape(-1)[perm].unsqueeze(-1)
+        if self._native_runs(rows):
+            out = native_experts.experts(
+                rows, counts, self.gate_up.transpose(1, 2), self.down.transpose(1, 2)
+            )
+        else:
+            out = self._linear(self.silu_and_mul(self._linear(rows, self.gate_up, counts)),
+                               self.down, counts)  # fmt: skip
+        out = out * top_weights.reshape(-1)[perm].unsqueeze(-1)
         in_order = torch.empty_like(out)
         in_order[perm] = out
         return in_order.view(x.shape[0], k, -1).sum(dim=1).to(x.dtype)
+
+    def _native_runs(self, rows: torch.Tensor) -> bool:
+        """Whether this step's experts run in `native_experts`' kernel: float32 where the plan
+        chose the native elementwise kernels (a CPU with AVX2), SiLU, few rows per expert, and
+        not batch-invariant (which path runs depends on the step's rows). The first time, the
+        weights are laid out k-major in place: the layout the kernel reads, and the grouped
+        product's `weight.transpose(1, 2)`, so both read them without a copy."""
+        if not (
+            self.impl == NATIVE
+            and self.activation == "silu"
+            and not self.row_tiles
+            and native_experts.worth_it(rows.shape[0], self.num_experts)
+        ):
+            return False
+        if not self.k_major:
+            if not native_experts.covers(rows.dtype, rows.shape[1], self.inter):
+                return False
+            for weight in (self.gate_up, self.down):
+                weight.data = weight.data.transpose(1, 2).contiguous().transpose(1, 2)
+            self.k_major = True
+        return True
 
     def _linear(self, rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor):
         """rows grouped by expert (`counts` each) times their expert's `weight`ᵀ."""

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from conveyor.engine import LLM
 from conveyor.engine.models import moe
 from conveyor.engine.models.decoder import MLP
+from conveyor.kernels import native_experts
 from tests.hf_reference import hf_model
 
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -29,26 +30,37 @@ def moe_layers(llm: LLM, hf) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", MOE_ARCHS)
-def test_each_moe_block_equals_transformers(checkpoints, arch, dtype):
+def test_each_moe_block_equals_transformers(checkpoints, arch, dtype, monkeypatch):
     """Routing (softmax, top-k, renormalising or not, the weights' dtype), the shared expert
     and the experts' products as transformers computes them: the same numbers, bit for bit in
-    bfloat16 (in float32, the router's oneDNN product rounds in its own order)."""
+    bfloat16 (in float32, the router's oneDNN product rounds in its own order). A step of few
+    tokens in float32 on a CPU with AVX2 runs the experts in `native_experts`' kernel, a large
+    one as grouped products."""
     from transformers import AutoModelForCausalLM
 
     llm = LLM(str(checkpoints[arch]), device="cpu", dtype=str(dtype).removeprefix("torch."))
     hf = AutoModelForCausalLM.from_pretrained(str(checkpoints[arch]), dtype=dtype)
     pairs = moe_layers(llm, hf)
     assert pairs, "the checkpoint has experts"
-    x = torch.randn(300, hf.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    x = x.to(dtype)
-    for ours, theirs in pairs:
-        assert ours.experts.grouped  # this torch has grouped_mm on the CPU
-        with torch.no_grad():
-            got, want = ours(x), theirs(x[None])[0]
-        if dtype == torch.bfloat16:
-            assert torch.equal(got, want)
-        else:
-            assert torch.allclose(got, want, rtol=0, atol=1e-6)
+    native = dtype == torch.float32 and native_experts.covers(
+        dtype, hf.config.hidden_size, pairs[0][0].experts.inter
+    )
+    calls = []
+    kernel = native_experts.experts
+    monkeypatch.setattr(native_experts, "experts", lambda *a: calls.append(1) or kernel(*a))
+    for tokens in (300, 12):
+        x = torch.randn(tokens, hf.config.hidden_size, generator=torch.Generator().manual_seed(0))
+        x = x.to(dtype)
+        calls.clear()
+        for ours, theirs in pairs:
+            assert ours.experts.grouped  # this torch has grouped_mm on the CPU
+            with torch.no_grad():
+                got, want = ours(x), theirs(x[None])[0]
+            if dtype == torch.bfloat16:
+                assert torch.equal(got, want)
+            else:
+                assert torch.allclose(got, want, rtol=0, atol=1e-6)
+        assert len(calls) == (len(pairs) if native and tokens == 12 else 0)
 
 
 def test_grouped_products_equal_one_product_per_expert():
