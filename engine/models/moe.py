@@ -130,10 +130,10 @@ class Experts(RowTiled, RunsActivation, nn.Module):
 
     def _native_runs(self, rows: torch.Tensor) -> bool:
         """Whether this step's experts run in `native_experts`' kernel: float32 where the plan
-        chose the native elementwise kernels (a CPU with AVX2), SiLU, few rows per expert, and
-        not batch-invariant (which path runs depends on the step's rows). The first time, the
-        weights are laid out k-major in place: the layout the kernel reads, and the grouped
-        product's `weight.transpose(1, 2)`, so both read them without a copy."""
+        chose the native elementwise kernels (a CPU with AVX2), SiLU, few enough rows per
+        expert, and not batch-invariant (which path runs depends on the step's rows). The first
+        time, the weights are laid out k-major in place: the layout the kernel reads, and the
+        grouped product's `weight.transpose(1, 2)`, so both read them without a copy."""
         if not (
             self.impl == NATIVE
             and self.activation == "silu"

@@ -1,13 +1,13 @@
 // A mixture-of-experts layer's experts in float32 on x86 CPUs with AVX2 and FMA, for steps of
-// few rows per expert (decode): each expert's rows times its gate/up weight, SiLU(gate) * up,
+// up to a few hundred rows per expert: each expert's rows times its gate/up weight, SiLU(gate) * up,
 // times its down weight, one expert a task, the experts spread over the threads.
 //
 // A grouped product splits each expert's small product over every thread, which then meet at a
 // barrier per expert (64 experts: 128 a layer); here a thread runs whole experts alone, and the
 // activation happens while the expert's rows are still in its cache.
 //
-// Weights are stored transposed (k-major: [K, N]) so that a tile of 4 rows x 16 columns is 8
-// accumulators fed by two loads of B and four broadcasts of A per k. Sums are float32, in k
+// Weights are stored transposed (k-major: [K, N]), so that a tile of rows x 16 columns is
+// accumulated from two loads of B and a broadcast of A per row and k. Sums are float32, in k
 // order; SiLU's e^x is `exp8` (within ~1e-7 of torch's).
 #include <immintrin.h>
 
@@ -20,38 +20,55 @@ namespace {
 
 using conveyor::exp8;
 
+constexpr int64_t kBlockRows = 48;  // rows whose a a core keeps in cache (96 KB at k 512)
+
+// c[r, n:n+16] = sum_k a[r, k] * b[k, n:n+16] for R rows r: 2R accumulators fed by two vectors
+// of b and a broadcast of a per row and k (unrolled, so the accumulators stay in registers).
+template <int R>
+__attribute__((always_inline)) inline void tile(const float* a, int64_t lda, const float* b,
+                                                float* c, int64_t ldc, int64_t k_dim,
+                                                int64_t n_dim, int64_t n) {
+  __m256 acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(b + k * n_dim + n);
+    const __m256 b1 = _mm256_loadu_ps(b + k * n_dim + n + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_broadcast_ss(a + r * lda + k);
+      acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(c + r * ldc + n, acc[r][0]);
+    _mm256_storeu_ps(c + r * ldc + n + 8, acc[r][1]);
+  }
+}
+
 // c[m, n] = sum_k a[m, k] * b[k, n] for m < rows; a rows `lda` apart, b [k_dim, n_dim], c rows
-// `ldc` apart; n_dim a multiple of 16.
+// `ldc` apart; n_dim a multiple of 16. In blocks of rows whose a stays in the core's cache
+// while every column tile of b passes over it; rows in tiles of 6 (12 accumulators: the most
+// that leave registers for b and a broadcast), the rest in tiles of 4, 2 and 1. A row's sum is
+// in k order whatever its tile.
 void product(const float* a, int64_t lda, const float* b, float* c, int64_t ldc, int64_t rows,
              int64_t k_dim, int64_t n_dim) {
-  for (int64_t n = 0; n < n_dim; n += 16) {  // a column tile of b stays in cache for every row
-    int64_t m = 0;
-    for (; m + 4 <= rows; m += 4) {
-      __m256 acc[4][2];
-      for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-      for (int64_t k = 0; k < k_dim; ++k) {
-        const __m256 b0 = _mm256_loadu_ps(b + k * n_dim + n);
-        const __m256 b1 = _mm256_loadu_ps(b + k * n_dim + n + 8);
-        for (int r = 0; r < 4; ++r) {
-          const __m256 x = _mm256_broadcast_ss(a + (m + r) * lda + k);
-          acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
-          acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
-        }
+  for (int64_t m0 = 0; m0 < rows; m0 += kBlockRows) {
+    const int64_t end = rows - m0 < kBlockRows ? rows : m0 + kBlockRows;
+    for (int64_t n = 0; n < n_dim; n += 16) {
+      int64_t m = m0;
+      for (; m + 6 <= end; m += 6) tile<6>(a + m * lda, lda, b, c + m * ldc, ldc, k_dim, n_dim, n);
+      if (m + 4 <= end) {
+        tile<4>(a + m * lda, lda, b, c + m * ldc, ldc, k_dim, n_dim, n);
+        m += 4;
       }
-      for (int r = 0; r < 4; ++r) {
-        _mm256_storeu_ps(c + (m + r) * ldc + n, acc[r][0]);
-        _mm256_storeu_ps(c + (m + r) * ldc + n + 8, acc[r][1]);
+      if (m + 2 <= end) {
+        tile<2>(a + m * lda, lda, b, c + m * ldc, ldc, k_dim, n_dim, n);
+        m += 2;
       }
-    }
-    for (; m < rows; ++m) {
-      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-      for (int64_t k = 0; k < k_dim; ++k) {
-        const __m256 x = _mm256_broadcast_ss(a + m * lda + k);
-        acc0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + k * n_dim + n), acc0);
-        acc1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + k * n_dim + n + 8), acc1);
-      }
-      _mm256_storeu_ps(c + m * ldc + n, acc0);
-      _mm256_storeu_ps(c + m * ldc + n + 8, acc1);
+      if (m < end) tile<1>(a + m * lda, lda, b, c + m * ldc, ldc, k_dim, n_dim, n);
     }
   }
 }

@@ -48,7 +48,10 @@ def test_each_moe_block_equals_transformers(checkpoints, arch, dtype, monkeypatc
     calls = []
     kernel = native_experts.experts
     monkeypatch.setattr(native_experts, "experts", lambda *a: calls.append(1) or kernel(*a))
-    for tokens in (300, 12):
+    block = pairs[0][0]
+    # a step past the kernel's rows per expert, which runs grouped, and a small one
+    large = native_experts.MAX_ROWS_PER_EXPERT * block.experts.num_experts // block.top_k + 1
+    for tokens in (large, 12):
         x = torch.randn(tokens, hf.config.hidden_size, generator=torch.Generator().manual_seed(0))
         x = x.to(dtype)
         calls.clear()

@@ -42,4 +42,5 @@ def test_what_the_kernel_covers() -> None:
     assert not native_experts.covers(torch.bfloat16, 512, 192)
     assert not native_experts.covers(torch.float32, 520, 192)  # hidden: 16 a vector pair
     assert not native_experts.covers(torch.float32, 512, 196)
-    assert native_experts.worth_it(64 * 64, 64) and not native_experts.worth_it(64 * 64 + 1, 64)
+    most = native_experts.MAX_ROWS_PER_EXPERT * 64
+    assert native_experts.worth_it(most, 64) and not native_experts.worth_it(most + 1, 64)
