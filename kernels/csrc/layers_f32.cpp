@@ -15,7 +15,7 @@
 
 namespace {
 
-using conveyor::exp8;
+using conveyor::silu8;
 
 // Rows are split over threads only when there is enough work for each to pay for waking it.
 constexpr int64_t kMinParallelElements = 1 << 15;
@@ -68,16 +68,13 @@ void conveyor_rms_norm_f32(const float* x, int64_t x_stride, float* residual, co
 // [rows, inter]; inter a multiple of 8.
 void conveyor_silu_mul_f32(const float* gate_up, int64_t in_stride, float* out, int64_t rows,
                            int64_t inter, int threads) {
-  const __m256 one = _mm256_set1_ps(1.f);
 #pragma omp parallel for num_threads(threads_for(rows * inter, threads))
   for (int64_t r = 0; r < rows; ++r) {
     const float* g = gate_up + r * in_stride;
     const float* u = g + inter;
     float* o = out + r * inter;
     for (int64_t c = 0; c < inter; c += 8) {
-      const __m256 x = _mm256_loadu_ps(g + c);
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
-      const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, e));
+      const __m256 silu = silu8(_mm256_loadu_ps(g + c));
       _mm256_storeu_ps(o + c, _mm256_mul_ps(silu, _mm256_loadu_ps(u + c)));
     }
   }

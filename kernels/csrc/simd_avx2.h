@@ -1,4 +1,4 @@
-// What the AVX2 (and FMA) float32 kernels in this folder share: a vector e^x.
+// What the AVX2 (and FMA) float32 kernels in this folder share: a vector e^x and SiLU.
 #pragma once
 
 #include <immintrin.h>
@@ -31,6 +31,12 @@ inline __m256 exp8(__m256 x) {
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-01f));
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
   return _mm256_mul_ps(p, pow2(n));
+}
+
+// silu(x) = x / (1 + e^-x) for 8 floats, as torch computes it but for `exp8`'s rounding.
+inline __m256 silu8(__m256 x) {
+  const __m256 e = exp8(_mm256_xor_ps(x, _mm256_set1_ps(-0.f)));
+  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e));
 }
 
 }  // namespace conveyor
