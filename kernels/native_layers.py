@@ -60,7 +60,7 @@ def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
     return lib
 
 
-def available(dtype: torch.dtype = torch.bfloat16) -> bool:
+def available(dtype: torch.dtype) -> bool:
     return _library(dtype) is not None
 
 
