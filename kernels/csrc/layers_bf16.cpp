@@ -18,21 +18,10 @@
 
 namespace {
 
-using conveyor::exp16;
 using conveyor::load16;
-
-inline __m256i to_bf16(__m512 x) {  // round to nearest even, as torch does (NaN stays NaN)
-  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
-}
-
-inline __m512 round_bf16(__m512 x) {  // x rounded to bfloat16 and back
-  const __m256i h = to_bf16(x);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-inline void store16(uint16_t* p, __m512 x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(x));
-}
+using conveyor::round_bf16;
+using conveyor::silu16;
+using conveyor::store16;
 
 // Rows are split over threads only when there is enough work for each to pay for waking it.
 constexpr int64_t kMinParallelElements = 1 << 15;
@@ -134,17 +123,13 @@ void conveyor_rms_norm_bf16(const uint16_t* x, int64_t x_stride, uint16_t* resid
 // inter a multiple of 16.
 void conveyor_silu_mul_bf16(const uint16_t* gate_up, int64_t in_stride, uint16_t* out,
                             int64_t rows, int64_t inter, int threads) {
-  const __m512 one = _mm512_set1_ps(1.f);
 #pragma omp parallel for num_threads(threads_for(rows * inter, threads))
   for (int64_t r = 0; r < rows; ++r) {
     const uint16_t* g = gate_up + r * in_stride;
     const uint16_t* u = g + inter;
     uint16_t* o = out + r * inter;
     for (int64_t c = 0; c < inter; c += 16) {
-      const __m512 x = load16(g + c);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-      const __m512 silu = round_bf16(_mm512_div_ps(x, _mm512_add_ps(one, e)));
-      store16(o + c, _mm512_mul_ps(silu, load16(u + c)));
+      store16(o + c, _mm512_mul_ps(silu16(load16(g + c)), load16(u + c)));
     }
   }
 }

@@ -1,15 +1,37 @@
-// What the AVX512-BF16 kernels in this folder share: bfloat16 loads, a vector e^x and soft cap.
+// What the AVX512-BF16 kernels in this folder share: bfloat16 loads and stores rounded as torch
+// rounds, a vector e^x, SiLU and soft cap.
 #pragma once
 
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace conveyor {
 
 inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> float32
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+inline float bf16_to_float(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline __m256i to_bf16(__m512 x) {  // round to nearest even, as torch does (NaN stays NaN)
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+}
+
+inline __m512 round_bf16(__m512 x) {  // x rounded to bfloat16 and back
+  const __m256i h = to_bf16(x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline void store16(uint16_t* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(x));
 }
 
 // e^x for 16 floats: 2^n * 2^f with f in [-0.5, 0.5], 2^f by its Taylor series to degree 7
@@ -38,6 +60,12 @@ inline __m512 softcap16(__m512 x, float cap) {
   const __m512 e = exp16(_mm512_mul_ps(x, _mm512_set1_ps(2.f / cap)));
   const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
   return _mm512_mul_ps(t, _mm512_set1_ps(cap));
+}
+
+// x / (1 + e^-x) for 16 floats, rounded to bfloat16 as torch's SiLU of a bfloat16 tensor is
+inline __m512 silu16(__m512 x) {
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+  return round_bf16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
 }
 
 }  // namespace conveyor
