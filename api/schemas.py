@@ -291,8 +291,8 @@ class Throughput(BaseModel):
 class EnginePlan(BaseModel):
     """How a worker's engine runs each piece on its device, chosen once at start (see the
     engine's `device_plan`): attention, elementwise (norms, rope, activation), projections,
-    CUDA graphs for decode steps (`off (why)` when not); `reasons` says why a piece is not the
-    fastest kind."""
+    CUDA graphs for decode steps (`off (why)` when not), a mixture-of-experts model's experts
+    (`none` for a dense model); `reasons` says why a piece is not the fastest kind."""
 
     device: str
     capability: str
@@ -300,6 +300,7 @@ class EnginePlan(BaseModel):
     elementwise: str
     projections: str
     graphs: str = "none"
+    experts: str = "none"
     reasons: dict[str, str] = {}
 
 

@@ -10,7 +10,10 @@ implementations of a piece:
   loops compiled by inductor on other CPUs with a compiler, torch's eager ops where nothing can
   be built;
 - projections: oneDNN's prepacked weights on the CPU where oneDNN runs the dtype (its bfloat16
-  path needs avx512bw/vl/dq or avx_ne_convert), the plain product (cuBLAS, MKL) elsewhere.
+  path needs avx512bw/vl/dq or avx_ne_convert), the plain product (cuBLAS, MKL) elsewhere;
+- experts (mixture-of-experts models): `kernels.triton_moe` on CUDA, `kernels.native_experts`
+  on an x86 CPU it covers (float32 with AVX2, bfloat16 with AMX or AVX512-BF16), torch's
+  grouped products elsewhere.
 """
 
 from __future__ import annotations
@@ -20,14 +23,15 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from conveyor.engine.models.layers import COMPILED, EAGER, NATIVE, TRITON, onednn_runs
-from conveyor.kernels import native_layers
+from conveyor.engine.models.layers import COMPILED, EAGER, GROUPED, NATIVE, TRITON, onednn_runs
+from conveyor.kernels import native_experts, native_layers
 from conveyor.kernels.cpu_build import cpu_flags
 from conveyor.kernels.selector import triton_available
 
 log = logging.getLogger(__name__)
 
 ELEMENTWISE = ("auto", TRITON, NATIVE, COMPILED, EAGER)
+EXPERTS = ("auto", TRITON, NATIVE, GROUPED)
 
 
 @dataclass(frozen=True)
@@ -40,11 +44,15 @@ class DevicePlan:
     # CUDA graphs for decode steps: "none" on a CPU, else what was recorded or "off (why)",
     # set after warm-up
     graphs: str = "none"
+    # a mixture-of-experts model's experts: triton, native or grouped ("none": a dense model)
+    experts: str = "none"
     reasons: dict[str, str] = field(default_factory=dict)  # piece -> why it is not the fastest
 
     def describe(self) -> str:
         pieces = [f"attention {self.attention}", f"elementwise {self.elementwise}",
                   f"projections {self.projections}", f"graphs {self.graphs}"]  # fmt: skip
+        if self.experts != "none":
+            pieces.append(f"experts {self.experts}")
         text = f"{self.device} ({self.capability}): " + ", ".join(pieces)
         if self.reasons:
             text += "; " + "; ".join(f"{k}: {v}" for k, v in self.reasons.items())
@@ -63,9 +71,12 @@ def plan_device(
     head_dim: int,
     intermediate: int,
     elementwise: str = "auto",
+    expert_inter: int | None = None,
+    experts: str = "auto",
 ) -> DevicePlan:
-    """The plan for a model of these sizes in `dtype` on `device`; `attention` and
-    `elementwise` are the user's choices ("auto": the fastest this device runs)."""
+    """The plan for a model of these sizes in `dtype` on `device` (`expert_inter`: the
+    intermediate size of its experts, None for a dense model); `attention`, `elementwise` and
+    `experts` are the user's choices ("auto": the fastest this device runs)."""
     if elementwise not in ELEMENTWISE:
         choices = ", ".join(ELEMENTWISE)
         raise ValueError(f"elementwise must be one of {choices}, got {elementwise!r}")
@@ -91,8 +102,43 @@ def plan_device(
         projections = "plain"
         if device.type == "cpu":
             reasons["projections"] = f"oneDNN does not run {_name(dtype)} on this CPU"
+    if expert_inter is not None:
+        experts = _experts(device, dtype, hidden, expert_inter, experts, reasons)
+    else:
+        experts = "none"
     return DevicePlan(str(device), _capability(device), attention, elementwise, projections,
-                      reasons=reasons)  # fmt: skip
+                      experts=experts, reasons=reasons)  # fmt: skip
+
+
+def _experts(
+    device: torch.device, dtype: torch.dtype, hidden: int, inter: int, chosen: str,
+    reasons: dict[str, str],
+) -> str:  # fmt: skip
+    """How the experts run: `chosen`, checked, or for "auto" the fastest kernel here."""
+    if chosen not in EXPERTS:
+        raise ValueError(f"experts must be one of {', '.join(EXPERTS)}, got {chosen!r}")
+    native = device.type == "cpu" and native_experts.covers(dtype, hidden, inter)
+    triton = triton_available(device)  # on a CPU only through Triton's interpreter
+    if chosen == NATIVE and not native:
+        raise ValueError(
+            "experts native: the native experts kernels run on x86 CPUs, float32 with AVX2 "
+            "(hidden sizes multiples of 16, intermediate of 8) and bfloat16 with AVX512-BF16 "
+            "(32 and 16) or AMX (32 and 32)"
+        )
+    if chosen == TRITON and not triton:
+        raise ValueError(
+            "experts triton: the Triton experts kernel runs on CUDA with the triton package "
+            "installed (on a CPU only through Triton's interpreter, TRITON_INTERPRET=1)"
+        )
+    if chosen != "auto":
+        return chosen
+    if triton and device.type == "cuda":
+        return TRITON
+    if native:
+        return NATIVE
+    if device.type == "cpu":
+        reasons["experts"] = f"no native experts kernel for {_name(dtype)} here"
+    return GROUPED
 
 
 def _fastest_elementwise(

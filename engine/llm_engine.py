@@ -97,6 +97,7 @@ class LLMEngine:
         backend = get_attention_backend(config.attention_backend, self.device)
         self.plan = self._plan(net, backend)
         net.use_elementwise(self.plan.elementwise)
+        net.use_experts(self.plan.experts)
         if config.batch_invariant:
             net.use_batch_invariance()
         self.fingerprint = self._fingerprint()
@@ -217,7 +218,8 @@ class LLMEngine:
         plan = plan_device(
             self.device, self.dtype, backend.name, elementwise=self.engine_config.elementwise,
             hidden=net.model.embed_tokens.weight.shape[1], head_dim=net.head_dim,
-            intermediate=intermediate,
+            intermediate=intermediate, experts=self.engine_config.experts,
+            expert_inter=math.gcd(*widths) if (widths := net.expert_widths()) else None,
         )  # fmt: skip
         log.info("engine plan: %s", plan.describe())
         return plan

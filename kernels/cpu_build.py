@@ -19,6 +19,8 @@ log = logging.getLogger(__name__)
 # the flags of the AVX512-BF16 kernels in csrc/
 AVX512_BF16_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma",
                      "-fopenmp", "-shared", "-fPIC")  # fmt: skip
+# and of those that also use the AMX tile unit
+AMX_FLAGS = (*AVX512_BF16_FLAGS, "-mamx-tile", "-mamx-bf16")
 # the flags of the AVX2 float32 kernels
 AVX2_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # and of those that round after every product and sum, as torch's eager ops do
@@ -48,6 +50,10 @@ def cpu_flags() -> frozenset[str]:
 
 def cpu_has_avx512_bf16() -> bool:
     return {"avx512_bf16", "avx512bw"} <= cpu_flags()
+
+
+def cpu_has_amx_bf16() -> bool:
+    return {"amx_bf16", "amx_tile"} <= cpu_flags() and cpu_has_avx512_bf16()
 
 
 def cpu_has_avx2() -> bool:
@@ -80,6 +86,14 @@ def load_avx512_bf16(source: Path, fallback: str) -> ctypes.CDLL | None:
     if not cpu_has_avx512_bf16():
         return None
     return _load(source, AVX512_BF16_FLAGS, fallback)
+
+
+def load_amx(source: Path, fallback: str) -> ctypes.CDLL | None:
+    """One of csrc/'s AMX kernels (which use AVX512-BF16 too), as `load_avx512_bf16` loads its
+    own."""
+    if not cpu_has_amx_bf16():
+        return None
+    return _load(source, AMX_FLAGS, fallback)
 
 
 def load_avx2(

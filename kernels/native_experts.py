@@ -1,13 +1,20 @@
-"""A mixture-of-experts layer's experts in float32 for x86 CPUs with AVX2 and FMA, from
-`csrc/experts_f32.cpp`: for each expert, its rows times the gate/up weight, SiLU(gate) * up and
-the down weight, whole experts a thread. On a 2-core AVX2 CPU, with 8 experts of 64 a token, it
-runs a layer in 2.2x (8-128 tokens: bound by reading the weights, as it should be) to 1.2x
-(1,024 tokens) the time of torch's grouped products; at 4,096 tokens the two are even, so
-`worth_it` sends steps of more rows per expert than that to the grouped products.
+"""A mixture-of-experts layer's experts as one pass per expert on x86 CPUs: for each expert, its
+rows times the gate/up weight, SiLU(gate) * up and the down weight, whole experts a thread; in
+float32 with AVX2 and FMA (`csrc/experts_f32.cpp`), in bfloat16 with AVX512-BF16
+(`csrc/experts_bf16.cpp`).
 
-The weights are read k-major (`[E, hidden, 2 * inter]` and `[E, inter, hidden]` contiguous),
-which is what `Experts` lays its weights out as once this kernel runs it; torch's grouped
-product reads the same layout as its `weight.transpose(1, 2)`.
+float32, on a 2-core AVX2 CPU with 8 experts of 64 a token: a layer in 2.2x (8-128 tokens:
+bound by reading the weights, as it should be) to 1.2x (1,024 tokens) the time of torch's
+grouped products; at 4,096 tokens the two are even, so `worth_it` sends steps of more rows per
+expert than that to the grouped products. bfloat16, on a 2-core CPU with AMX (whose grouped
+products are oneDNN's, a call per expert and product): 3-4x faster at 16-128 tokens and
+still ~4x at 4,096, so it runs every step.
+
+Each kernel reads its own layout of the weights (`layout`): float32 k-major (`[E, K, N]`
+contiguous), which torch's grouped product reads too, as its `weight.transpose(1, 2)`;
+bfloat16 in strips of 32 columns in pairs of k (`[E, N / 32, K / 2, 32, 2]`), the operand of
+the CPU's bfloat16 dot product and of AMX's tiles, read front to back, which nothing else
+reads.
 
 Built and cached like the other CPU kernels (`kernels.cpu_build`).
 """
@@ -16,52 +23,144 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from conveyor.kernels.cpu_build import load_avx2
+from conveyor.kernels.cpu_build import load_amx, load_avx2, load_avx512_bf16
 
-SOURCE = Path(__file__).parent / "csrc" / "experts_f32.cpp"
-MAX_ROWS_PER_EXPERT = 128  # on average, past which the grouped product is as fast
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+# the sizes each kernel takes: hidden and intermediate sizes, multiples of these
+_MULTIPLES = {"avx2": (16, 8), "avx512_bf16": (32, 16), "amx": (32, 32)}
+# float32: on average, past which the grouped product is as fast
+MAX_ROWS_PER_EXPERT = {torch.float32: 128, torch.bfloat16: None}
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = load_avx2(SOURCE, "experts run as grouped products")
-    if lib is not None:
-        fn = lib.conveyor_experts_f32
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-        fn.restype = None
-    return lib
+def kernels(dtype: torch.dtype) -> tuple[tuple[str, Callable[..., None]], ...]:
+    """The kernels that run `dtype` here, fastest first: each one's instruction set and
+    function, built and loaded; none where none can be built or run here. bfloat16 runs on the
+    tile unit where the CPU has AMX and Linux lends it to the process, and on AVX512-BF16's dot
+    products."""
+    fallback = "experts run as grouped products"
+    found: list[tuple[str, ctypes.CDLL | None]] = []
+    if dtype == torch.float32:
+        found.append(("avx2", load_avx2(CSRC / "experts_f32.cpp", fallback)))
+    elif dtype == torch.bfloat16:
+        amx = load_amx(CSRC / "experts_amx.cpp", fallback)
+        if amx is not None and not amx.conveyor_amx_ready():
+            log.warning("Linux did not lend this process AMX's tile registers: experts use "
+                        "AVX512-BF16's dot products")  # fmt: skip
+            amx = None
+        found.append(("amx", amx))
+        found.append(("avx512_bf16", load_avx512_bf16(CSRC / "experts_bf16.cpp", fallback)))
+    loaded = []
+    for isa, lib in found:
+        if lib is not None:
+            fn = getattr(lib, FUNCTIONS[isa])
+            fn.argtypes, fn.restype = ARGUMENTS[dtype], None
+            loaded.append((isa, fn))
+    return tuple(loaded)
+
+
+def kernel(dtype: torch.dtype) -> tuple[str, Callable[..., None]] | None:
+    """The fastest of `kernels(dtype)`, or None."""
+    found = kernels(dtype)
+    return found[0] if found else None
+
+
+FUNCTIONS = {"avx2": "conveyor_experts_f32", "avx512_bf16": "conveyor_moe_bf16",
+             "amx": "conveyor_moe_amx"}  # fmt: skip
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+ARGUMENTS = {
+    torch.float32: [_P] * 6 + [_I] * 3 + [ctypes.c_int],
+    torch.bfloat16: [_P, _P, _P, ctypes.c_int, _P, _P, _P, _P] + [_I] * 5 + [ctypes.c_int],
+}
 
 
 def covers(dtype: torch.dtype, hidden: int, inter: int) -> bool:
     """Whether the kernel runs experts of these sizes in `dtype` here."""
-    return dtype == torch.float32 and hidden % 16 == 0 and inter % 8 == 0 and _library() is not None
+    found = kernel(dtype)
+    if found is None:
+        return False
+    h, i = _MULTIPLES[found[0]]
+    return hidden % h == 0 and inter % i == 0
 
 
-def worth_it(rows: int, num_experts: int) -> bool:
+def worth_it(rows: int, num_experts: int, dtype: torch.dtype) -> bool:
     """Whether a step of `rows` (token, expert) pairs runs faster here than grouped."""
-    return rows <= MAX_ROWS_PER_EXPERT * num_experts
+    limit = MAX_ROWS_PER_EXPERT[dtype]
+    return limit is None or rows <= limit * num_experts
+
+
+def shares_layout(dtype: torch.dtype) -> bool:
+    """Whether torch's grouped product reads the weights in this kernel's layout too (else the
+    kernel runs every step once it holds them)."""
+    return dtype == torch.float32
+
+
+def layout(weight: torch.Tensor) -> torch.Tensor:
+    """[E, N, K] (torch's linear weights, stacked) as the kernel of its dtype reads them: as
+    `[E, N, K]` strides over k-major memory in float32, in bfloat16 as strips of 32 columns
+    in pairs of k, `[E, N / 32, K / 2, 32, 2]`."""
+    if weight.dtype == torch.float32:
+        return weight.transpose(1, 2).contiguous().transpose(1, 2)
+    e, n, k = weight.shape
+    return weight.view(e, n // 32, 32, k // 2, 2).transpose(2, 3).contiguous()
 
 
 def experts(
     rows: torch.Tensor,  # [R, hidden] float32, grouped by expert
     counts: torch.Tensor,  # [E] int64: each expert's rows, in expert order
-    gate_up_t: torch.Tensor,  # [E, hidden, 2 * inter] contiguous
-    down_t: torch.Tensor,  # [E, inter, hidden] contiguous
+    gate_up: torch.Tensor,  # `layout` of [E, 2 * inter, hidden]
+    down: torch.Tensor,  # `layout` of [E, hidden, inter]
+    inter: int,
 ) -> torch.Tensor:
-    """down(silu(gate) * up) of each row by its expert: [R, hidden]."""
-    hidden, inter = rows.shape[1], down_t.shape[1]
-    assert gate_up_t.is_contiguous() and down_t.is_contiguous() and counts.dtype == torch.int64
+    """float32: down(silu(gate) * up) of each row by its expert, [R, hidden] (the caller sorts
+    the rows by expert and weighs and sums each token's rows)."""
+    hidden = rows.shape[1]
+    gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    assert gate_up.is_contiguous() and down.is_contiguous() and counts.dtype == torch.int64
     rows = rows.contiguous()
     counts = counts.contiguous()
     scratch = rows.new_empty(rows.shape[0], 2 * inter)
     out = rows.new_empty(rows.shape[0], hidden)
-    _library().conveyor_experts_f32(
-        rows.data_ptr(), counts.data_ptr(), gate_up_t.data_ptr(), down_t.data_ptr(),
+    kernel(torch.float32)[1](
+        rows.data_ptr(), counts.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
         scratch.data_ptr(), out.data_ptr(), counts.shape[0], hidden, inter,
         torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def routed_experts(
+    x: torch.Tensor,  # [T, hidden] bfloat16
+    top_index: torch.Tensor,  # [T, k]: each token's experts
+    top_weights: torch.Tensor,  # [T, k] float32 or bfloat16: their routing weights
+    gate_up: torch.Tensor,  # `layout` of [E, 2 * inter, hidden]
+    down: torch.Tensor,  # `layout` of [E, hidden, inter]
+    inter: int,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """bfloat16: each token's sum of its experts' down(silu(gate) * up) times their weights,
+    [T, hidden], the whole routed part of the layer in one call (csrc/moe_bf16.h), by the kernel
+    of `isa` (one of `kernels(torch.bfloat16)`; by default the fastest)."""
+    tokens, hidden = x.shape
+    num_experts, k = gate_up.shape[0], top_index.shape[1]
+    assert x.dtype == torch.bfloat16 and top_weights.dtype in (torch.float32, torch.bfloat16)
+    assert gate_up.is_contiguous() and down.is_contiguous()
+    x, weights = x.contiguous(), top_weights.contiguous()
+    index = top_index.to(torch.int64).contiguous()
+    outs = torch.empty(tokens * k, hidden, dtype=torch.bfloat16)
+    out = torch.empty(tokens, hidden, dtype=torch.bfloat16)
+    run = kernel(torch.bfloat16)[1] if isa is None else dict(kernels(torch.bfloat16))[isa]
+    run(
+        x.data_ptr(), index.data_ptr(), weights.data_ptr(), weights.dtype == torch.float32,
+        gate_up.data_ptr(), down.data_ptr(), outs.data_ptr(), out.data_ptr(), tokens, k,
+        num_experts, hidden, inter, torch.get_num_threads(),
     )  # fmt: skip
     return out

@@ -76,11 +76,16 @@ def random_prompts(
 
 
 def assert_greedy_matches_hf_through(
-    path: Path, attention_backend: str, seed: int, device: str = "cpu", elementwise: str = "auto"
+    path: Path,
+    attention_backend: str,
+    seed: int,
+    device: str = "cpu",
+    elementwise: str = "auto",
+    experts: str = "auto",
 ) -> None:
     """The engine's greedy equality with transformers through one attention backend (and
-    `elementwise` kind): mixed lengths, long prompts split across steps, and a prompt whose
-    prefix comes from the cache."""
+    `elementwise` and `experts` kinds): mixed lengths, long prompts split across steps, and a
+    prompt whose prefix comes from the cache."""
     from conveyor.engine import LLM, SamplingParams
     from conveyor.kernels.cascade import plan_cascade
 
@@ -94,9 +99,11 @@ def assert_greedy_matches_hf_through(
         max_num_batched_tokens=48,
         attention_backend=attention_backend,
         elementwise=elementwise,
+        experts=experts,
     )
     assert llm.runner.backend.name == attention_backend
     assert elementwise in ("auto", llm.plan.elementwise)
+    assert experts in ("auto", llm.plan.experts)
     params = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, m, out in zip(prompts, max_tokens, outputs, strict=True):

@@ -30,6 +30,7 @@ from conveyor.engine.models.layers import (
     RotaryEmbedding,
     RowTiled,
     RunsActivation,
+    RunsExperts,
     apply_rope,
     compiled_apply_rope,
     per_layer_type_rope,
@@ -329,6 +330,17 @@ class DecoderForCausalLM(nn.Module):
                 module.impl = impl
             elif isinstance(module, RunsActivation):
                 module.impl = impl if impl in (NATIVE, TRITON) else EAGER
+
+    def expert_widths(self) -> set[int]:
+        """Each mixture-of-experts layer's intermediate size (none in a dense model)."""
+        return {m.inter for m in self.modules() if isinstance(m, RunsExperts)}
+
+    def use_experts(self, kernel: str) -> None:
+        """Run the experts of every mixture-of-experts layer as `kernel` (engine.device_plan
+        chooses)."""
+        for module in self.modules():
+            if isinstance(module, RunsExperts):
+                module.kernel = kernel
 
     def use_batch_invariance(self) -> None:
         """Every product in tiles of fixed rows (`engine.batch_invariant`): a row's result no

@@ -20,6 +20,8 @@ from conveyor.kernels.compile_limits import compile_kernel
 # loops compiled by inductor, `kernels.native_layers` (bfloat16, AVX512-BF16 CPUs) or
 # `kernels.triton_layers` (CUDA).
 EAGER, COMPILED, NATIVE, TRITON = "eager", "compiled", "native", "triton"
+# and a mixture-of-experts layer's experts, besides NATIVE and TRITON: torch's grouped products
+GROUPED = "grouped"
 
 
 @functools.cache
@@ -119,6 +121,16 @@ class RunsActivation:
         if self.impl == TRITON:
             return triton_layers().silu_mul(gate_up)
         return F.silu(gate) * up
+
+
+class RunsExperts:
+    """A mixture-of-experts layer's experts, which run as `kernel`: `NATIVE`
+    (kernels.native_experts, x86 CPUs), `TRITON` (kernels.triton_moe, CUDA) or `GROUPED`
+    (torch's grouped products; set by `DecoderForCausalLM.use_experts`). `inter` is each
+    expert's intermediate size."""
+
+    kernel: str = GROUPED
+    inter: int
 
 
 # a config's `hidden_act` / `hidden_activation` -> the function, as transformers' ACT2FN has it

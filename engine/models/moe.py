@@ -19,7 +19,14 @@ from torch import nn
 
 from conveyor.engine.batch_invariant import Product, in_row_tiles
 from conveyor.engine.models.decoder import MLP, activation_of, dense_mlp
-from conveyor.engine.models.layers import NATIVE, TRITON, Linear, RowTiled, RunsActivation
+from conveyor.engine.models.layers import (
+    NATIVE,
+    TRITON,
+    Linear,
+    RowTiled,
+    RunsActivation,
+    RunsExperts,
+)
 from conveyor.kernels import native_experts
 
 log = logging.getLogger(__name__)
@@ -58,7 +65,7 @@ def _tell_once(reason: str) -> None:
         log.info("experts run one product per expert: %s", reason)
 
 
-class Experts(RowTiled, RunsActivation, nn.Module):
+class Experts(RowTiled, RunsActivation, RunsExperts, nn.Module):
     """`num_experts` gated MLPs (SwiGLU unless `activation` says otherwise) as two stacked
     weights: `gate_up` [E, 2·inter, hidden] (each expert's gate rows, then its up rows) and
     `down` [E, hidden, inter]."""
@@ -70,7 +77,7 @@ class Experts(RowTiled, RunsActivation, nn.Module):
         self.down = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.names = names
         self.grouped: bool | None = None  # decided by `prepack`, from the weights' device and dtype
-        self.k_major = False  # the weights laid out for `native_experts` (`_native_runs`)
+        self.native_layout = False  # the weights laid out for `native_experts` (`_native_runs`)
 
     def checkpoint_names(self, prefix: str) -> dict[str, tuple[str, Any]]:
         """checkpoint tensor name -> (our parameter, its index) for every expert."""
@@ -105,10 +112,15 @@ class Experts(RowTiled, RunsActivation, nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden]; each token's experts and their weights [T, k] -> [T, hidden]."""
         k = top_index.shape[-1]
-        if self.impl == TRITON and not self.row_tiles:  # both products fused, one launch each
+        if self.kernel == TRITON and not self.row_tiles:  # both products fused, one launch each
             out = triton_moe().expert_products(x, self.gate_up, self.down, top_index)
             out = out * top_weights.reshape(-1, 1)
             return out.view(x.shape[0], k, -1).sum(dim=1).to(x.dtype)
+        native = self._native_runs(x.shape[0] * k, x.dtype, x.shape[1])
+        if native and not native_experts.shares_layout(x.dtype):
+            return native_experts.routed_experts(
+                x, top_index, top_weights, self.gate_up, self.down, self.inter
+            )
         expert_ids, perm = torch.sort(top_index.reshape(-1), stable=True)
         rows = x.index_select(0, perm // k)
         if self.grouped is None:
@@ -116,10 +128,8 @@ class Experts(RowTiled, RunsActivation, nn.Module):
         # not bincount: its length depends on the values, which a CUDA graph cannot capture
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
-        if self._native_runs(rows):
-            out = native_experts.experts(
-                rows, counts, self.gate_up.transpose(1, 2), self.down.transpose(1, 2)
-            )
+        if native:
+            out = native_experts.experts(rows, counts, self.gate_up, self.down, self.inter)
         else:
             out = self._linear(self.silu_and_mul(self._linear(rows, self.gate_up, counts)),
                                self.down, counts)  # fmt: skip
@@ -128,25 +138,27 @@ class Experts(RowTiled, RunsActivation, nn.Module):
         in_order[perm] = out
         return in_order.view(x.shape[0], k, -1).sum(dim=1).to(x.dtype)
 
-    def _native_runs(self, rows: torch.Tensor) -> bool:
-        """Whether this step's experts run in `native_experts`' kernel: float32 where the plan
-        chose the native elementwise kernels (a CPU with AVX2), SiLU, few enough rows per
-        expert, and not batch-invariant (which path runs depends on the step's rows). The first
-        time, the weights are laid out k-major in place: the layout the kernel reads, and the
-        grouped product's `weight.transpose(1, 2)`, so both read them without a copy."""
-        if not (
-            self.impl == NATIVE
-            and self.activation == "silu"
-            and not self.row_tiles
-            and native_experts.worth_it(rows.shape[0], self.num_experts)
+    def _native_runs(self, rows: int, dtype: torch.dtype, hidden: int) -> bool:
+        """Whether this step's experts run in `native_experts`' kernel: where the plan chose
+        it (an x86 CPU), with SiLU. The first time, the weights are
+        laid out as the kernel reads them, in place. In float32 that layout is also the grouped
+        product's `weight.transpose(1, 2)`, and steps of many rows an expert, or every step in
+        batch-invariant mode (which path runs would depend on the step's rows), go there; in
+        bfloat16 the kernel has a layout of its own and runs every step from then on, the whole
+        routed layer (its rows' results never depend on the step's other rows, so
+        batch-invariant mode too). `rows`: the step's (token, expert) pairs."""
+        if not (self.kernel == NATIVE and self.activation == "silu"):
+            return False
+        if native_experts.shares_layout(dtype) and (
+            self.row_tiles or not native_experts.worth_it(rows, self.num_experts, dtype)
         ):
             return False
-        if not self.k_major:
-            if not native_experts.covers(rows.dtype, rows.shape[1], self.inter):
+        if not self.native_layout:
+            if not native_experts.covers(dtype, hidden, self.inter):
                 return False
             for weight in (self.gate_up, self.down):
-                weight.data = weight.data.transpose(1, 2).contiguous().transpose(1, 2)
-            self.k_major = True
+                weight.data = native_experts.layout(weight.data)
+            self.native_layout = True
         return True
 
     def _linear(self, rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor):
@@ -203,7 +215,7 @@ class SparseMoe(nn.Module):
         """Compile the Triton experts kernels' variants now, where they run (once per kind of
         layer in `done`)."""
         experts = self.experts
-        if experts.impl != TRITON or experts.row_tiles:
+        if experts.kernel != TRITON or experts.row_tiles:
             return
         kind = (experts.gate_up.shape, experts.down.shape, experts.gate_up.dtype, self.top_k)
         if kind not in done:

@@ -123,3 +123,37 @@ def test_nothing_else_branches_on_a_backend_name():
         if pattern.search(line)
     ]
     assert found == []
+
+
+def test_the_plan_chooses_how_experts_run(monkeypatch, checkpoints):
+    """A dense model has none; on a CPU the native kernel where it covers the dtype and sizes
+    (else grouped products, saying why); on CUDA Triton's; each overridable, and an engine
+    runs what its plan says in every MoE layer."""
+    from conveyor.engine import LLM
+    from conveyor.engine.models.moe import Experts
+    from conveyor.kernels import native_experts
+
+    assert plan_device(CPU, torch.float32, "torch", **DIMS).experts == "none"
+    monkeypatch.setattr(native_experts, "covers", lambda *_: True)
+    plan = plan_device(CPU, torch.bfloat16, "torch", expert_inter=32, **DIMS)
+    assert plan.experts == "native" and "experts native" in plan.describe()
+    forced = plan_device(CPU, torch.bfloat16, "torch", expert_inter=32, experts="grouped", **DIMS)
+    assert forced.experts == "grouped" and "experts" not in forced.reasons
+    monkeypatch.setattr(native_experts, "covers", lambda *_: False)
+    plan = plan_device(CPU, torch.float16, "torch", expert_inter=32, **DIMS)
+    assert plan.experts == "grouped" and "float16" in plan.reasons["experts"]
+    with pytest.raises(ValueError, match="experts native"):
+        plan_device(CPU, torch.float16, "torch", expert_inter=32, experts="native", **DIMS)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="experts triton"):
+        plan_device(CPU, torch.float32, "torch", expert_inter=32, experts="triton", **DIMS)
+    with pytest.raises(ValueError, match="experts must be one of"):
+        plan_device(CPU, torch.float32, "torch", expert_inter=32, experts="fused", **DIMS)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _: (9, 0))
+    monkeypatch.setattr(device_plan, "triton_available", lambda device: True)
+    cuda = torch.device("cuda", 0)
+    assert plan_device(cuda, torch.bfloat16, "triton", expert_inter=32, **DIMS).experts == "triton"
+    monkeypatch.undo()
+    llm = LLM(str(checkpoints["qwen3_moe"]), device="cpu", dtype="float32", experts="grouped")
+    kernels = {m.kernel for m in llm.runner.model.modules() if isinstance(m, Experts)}
+    assert llm.plan.experts == "grouped" and kernels == {"grouped"}

@@ -33,24 +33,27 @@ def moe_layers(llm: LLM, hf) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
 def test_each_moe_block_equals_transformers(checkpoints, arch, dtype, monkeypatch):
     """Routing (softmax, top-k, renormalising or not, the weights' dtype), the shared expert
     and the experts' products as transformers computes them: the same numbers, bit for bit in
-    bfloat16 (in float32, the router's oneDNN product rounds in its own order). A step of few
-    tokens in float32 on a CPU with AVX2 runs the experts in `native_experts`' kernel, a large
-    one as grouped products."""
+    bfloat16 as grouped products (in float32, the router's oneDNN product rounds in its own
+    order). On an x86 CPU the experts run in `native_experts`' kernel: in float32 (AVX2) a
+    step of few tokens, a large one as grouped products; in bfloat16 (AMX or AVX512-BF16) every
+    step, its float32 sums in another order than oneDNN's (a bfloat16 rounding apart at
+    most, here and there)."""
     from transformers import AutoModelForCausalLM
 
     llm = LLM(str(checkpoints[arch]), device="cpu", dtype=str(dtype).removeprefix("torch."))
     hf = AutoModelForCausalLM.from_pretrained(str(checkpoints[arch]), dtype=dtype)
     pairs = moe_layers(llm, hf)
     assert pairs, "the checkpoint has experts"
-    native = dtype == torch.float32 and native_experts.covers(
-        dtype, hf.config.hidden_size, pairs[0][0].experts.inter
-    )
+    native = llm.plan.experts == "native"
+    assert native == native_experts.covers(dtype, hf.config.hidden_size, pairs[0][0].experts.inter)
     calls = []
-    kernel = native_experts.experts
-    monkeypatch.setattr(native_experts, "experts", lambda *a: calls.append(1) or kernel(*a))
+    for name in ("experts", "routed_experts"):  # float32's and bfloat16's
+        kernel = getattr(native_experts, name)
+        monkeypatch.setattr(native_experts, name, lambda *a, k=kernel: calls.append(1) or k(*a))
     block = pairs[0][0]
-    # a step past the kernel's rows per expert, which runs grouped, and a small one
-    large = native_experts.MAX_ROWS_PER_EXPERT * block.experts.num_experts // block.top_k + 1
+    # a step past the float32 kernel's rows per expert, which runs grouped there, and a small one
+    most = native_experts.MAX_ROWS_PER_EXPERT[torch.float32]
+    large = most * block.experts.num_experts // block.top_k + 1
     for tokens in (large, 12):
         x = torch.randn(tokens, hf.config.hidden_size, generator=torch.Generator().manual_seed(0))
         x = x.to(dtype)
@@ -59,11 +62,15 @@ def test_each_moe_block_equals_transformers(checkpoints, arch, dtype, monkeypatc
             assert ours.experts.grouped  # this torch has grouped_mm on the CPU
             with torch.no_grad():
                 got, want = ours(x), theirs(x[None])[0]
-            if dtype == torch.bfloat16:
-                assert torch.equal(got, want)
-            else:
+            if dtype == torch.float32:
                 assert torch.allclose(got, want, rtol=0, atol=1e-6)
-        assert len(calls) == (len(pairs) if native and tokens == 12 else 0)
+            elif native:
+                torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+                assert (got == want).float().mean() > 0.9
+            else:
+                assert torch.equal(got, want)
+        runs_native = native and (dtype == torch.bfloat16 or tokens == 12)
+        assert len(calls) == (len(pairs) if runs_native else 0)
 
 
 def test_grouped_products_equal_one_product_per_expert():

@@ -1,6 +1,8 @@
-"""The float32 experts kernel (`kernels.native_experts`, AVX2) gives each row its expert's
-SwiGLU, as the reference computes it up to float32 rounding: experts with no row, one, and
-counts around its tile of four rows."""
+"""The experts kernels (`kernels.native_experts`: float32 on AVX2; bfloat16 on AMX's tile unit
+and on AVX512-BF16's dot products) give each row its expert's SwiGLU, as the reference computes
+it up to the order of float32 sums (in bfloat16, rounded where transformers rounds): experts
+with no row, one, and counts around each kernel's tiles (4, 12 and 16 rows, 32 columns). The
+bfloat16 kernels take the whole routed layer: each token's k experts, weighted and summed."""
 
 from __future__ import annotations
 
@@ -10,37 +12,137 @@ import torch.nn.functional as F
 
 from conveyor.kernels import cpu_build, native_experts
 
-pytestmark = pytest.mark.skipif(not cpu_build.cpu_has_avx2(), reason="this CPU has no AVX2 and FMA")
+# every kernel this CPU can run: its dtype and instruction set (the tests of the others skip)
+KERNELS = [
+    pytest.param(torch.float32, "avx2", id="float32-avx2",
+                 marks=pytest.mark.skipif(not cpu_build.cpu_has_avx2(), reason="no AVX2 and FMA")),
+    pytest.param(torch.bfloat16, "amx", id="bfloat16-amx",
+                 marks=pytest.mark.skipif(not cpu_build.cpu_has_amx_bf16(), reason="no AMX")),
+    pytest.param(torch.bfloat16, "avx512_bf16", id="bfloat16-avx512_bf16",
+                 marks=pytest.mark.skipif(not cpu_build.cpu_has_avx512_bf16(),
+                                          reason="no AVX512-BF16")),
+]  # fmt: skip
 
 
 def swiglu(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    gate, up = (rows @ gate_up.T).chunk(2, dim=-1)
-    return (F.silu(gate) * up) @ down.T
+    """In float32 sums, rounded to the rows' dtype after each product, SiLU and the product
+    with up, as transformers' bfloat16 experts round."""
+    dtype = rows.dtype
+    gate, up = (rows.float() @ gate_up.float().T).to(dtype).chunk(2, dim=-1)
+    act = (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
+    return (act.float() @ down.float().T).to(dtype)
 
 
-@pytest.mark.parametrize("hidden, inter", [(64, 24), (32, 8), (512, 192)])
-@pytest.mark.parametrize("counts", [[0, 1, 3, 4, 5, 9, 0, 2], [1], [17, 0, 0, 8]])
-def test_each_row_gets_its_experts_swiglu(hidden, inter, counts) -> None:
+# (hidden, inter) for each kernel: the smallest it takes, and Qwen3-MoE's shape scaled down
+SIZES = {"avx2": [(64, 24), (32, 8), (512, 192)], "amx": [(32, 32), (96, 64), (512, 192)],
+         "avx512_bf16": [(32, 16), (96, 48), (512, 192)]}  # fmt: skip
+CASES = [
+    pytest.param(*kernel.values, hidden, inter, id=f"{kernel.id}-{hidden}x{inter}",
+                 marks=kernel.marks)
+    for kernel in KERNELS for hidden, inter in SIZES[kernel.values[1]]
+]  # fmt: skip
+COUNTS = [[0, 1, 3, 4, 5, 9, 0, 2], [1], [17, 0, 0, 8], [13, 16, 33, 0, 47]]
+
+
+@pytest.mark.parametrize("dtype, isa, hidden, inter", CASES)
+@pytest.mark.parametrize("counts", COUNTS)
+def test_each_row_gets_its_experts_swiglu(dtype, isa, hidden, inter, counts) -> None:
+    if isa not in dict(native_experts.kernels(dtype)):
+        pytest.fail(f"the {isa} kernel did not build or load on a CPU that has the instructions")
     g = torch.Generator().manual_seed(len(counts) + hidden)
     experts = len(counts)
-    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5
-    down = torch.randn(experts, hidden, inter, generator=g) * inter**-0.5
-    rows = torch.randn(sum(counts), hidden, generator=g)
-    got = native_experts.experts(
-        rows, torch.tensor(counts), gate_up.transpose(1, 2).contiguous(),
-        down.transpose(1, 2).contiguous(),
-    )  # fmt: skip
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5).to(dtype)
+    down = (torch.randn(experts, hidden, inter, generator=g) * inter**-0.5).to(dtype)
+    rows = torch.randn(sum(counts), hidden, generator=g).to(dtype)
+    got = run(isa, rows, counts, native_experts.layout(gate_up), native_experts.layout(down), inter)
     starts = torch.tensor([0, *counts]).cumsum(0).tolist()
     want = torch.cat([
         swiglu(rows[starts[e] : starts[e + 1]], gate_up[e], down[e]) for e in range(experts)
     ])  # fmt: skip
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # a sum in another order may round an intermediate the other way: a bfloat16 ulp
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        assert (got == want).float().mean() > 0.9
 
 
-def test_what_the_kernel_covers() -> None:
-    assert native_experts.covers(torch.float32, 512, 192)
-    assert not native_experts.covers(torch.bfloat16, 512, 192)
-    assert not native_experts.covers(torch.float32, 520, 192)  # hidden: 16 a vector pair
-    assert not native_experts.covers(torch.float32, 512, 196)
-    most = native_experts.MAX_ROWS_PER_EXPERT * 64
-    assert native_experts.worth_it(most, 64) and not native_experts.worth_it(most + 1, 64)
+def run(isa, rows, counts, gate_up, down, inter) -> torch.Tensor:
+    """Each row (grouped by expert, `counts` each) through its expert."""
+    if rows.dtype == torch.float32:
+        return native_experts.experts(rows, torch.tensor(counts), gate_up, down, inter)
+    # one expert a token, weight 1: the routed layer's output is each row's SwiGLU
+    index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))[:, None]
+    ones = torch.ones(index.shape, dtype=torch.bfloat16)
+    return native_experts.routed_experts(rows, index, ones, gate_up, down, inter, isa)
+
+
+@pytest.mark.parametrize("dtype, isa", KERNELS)
+def test_a_rows_result_does_not_depend_on_the_other_rows(dtype, isa) -> None:
+    """What batch-invariant mode needs of the bfloat16 kernels, which run every step there."""
+    g = torch.Generator().manual_seed(7)
+    gate_up = (torch.randn(3, 128, 64, generator=g) * 0.125).to(dtype)
+    down = (torch.randn(3, 64, 64, generator=g) * 0.125).to(dtype)
+    packed = native_experts.layout(gate_up), native_experts.layout(down)
+    rows = torch.randn(40, 64, generator=g).to(dtype)
+    every = run(isa, rows, [20, 3, 17], *packed, 64)
+    alone = run(isa, rows[20:23], [0, 3, 0], *packed, 64)
+    assert torch.equal(every[20:23], alone)
+
+
+BF16_KERNELS = [k for k in KERNELS if k.values[0] == torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype, isa", BF16_KERNELS)
+@pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32])
+def test_the_routed_layer_weighs_and_sums_each_tokens_experts(dtype, isa, weights_dtype):
+    """As transformers combines them: each expert's output times its weight (rounded to
+    bfloat16 with a bfloat16 weight), the token's k of them summed in float32, rounded."""
+    g = torch.Generator().manual_seed(3)
+    experts, hidden, inter, tokens, k = 6, 64, 32, 37, 3
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.125).to(dtype)
+    down = (torch.randn(experts, hidden, inter, generator=g) * 0.2).to(dtype)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    index[:5] = torch.tensor([0, 1, 2])  # expert 0 gets more than a tile of 16 rows
+    weights = torch.rand(tokens, k, generator=g).to(weights_dtype)
+    got = native_experts.routed_experts(
+        x, index, weights, native_experts.layout(gate_up), native_experts.layout(down), inter,
+        isa,
+    )  # fmt: skip
+    outs = torch.stack([
+        torch.cat([swiglu(x[t : t + 1], gate_up[e], down[e]) for e in index[t].tolist()])
+        for t in range(tokens)
+    ])  # fmt: skip
+    want = (outs * weights[..., None]).sum(dim=1).to(dtype)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert (got == want).float().mean() > 0.9
+
+
+def test_the_weights_layout_is_each_kernels() -> None:
+    w = torch.arange(2 * 4 * 6, dtype=torch.float32).view(2, 4, 6)  # [E, N, K]
+    k_major = native_experts.layout(w)
+    assert torch.equal(k_major, w) and k_major.transpose(1, 2).is_contiguous()
+    w = torch.arange(2 * 64 * 6, dtype=torch.bfloat16).view(2, 64, 6)
+    strips = native_experts.layout(w)  # [E, N / 32, K / 2, 32, 2]
+    assert strips.shape == (2, 2, 3, 32, 2) and strips.is_contiguous()
+    assert strips[1, 1, 2, 3].tolist() == [w[1, 35, 4].item(), w[1, 35, 5].item()]
+
+
+def test_what_the_kernels_cover() -> None:
+    if cpu_build.cpu_has_avx2():
+        assert native_experts.covers(torch.float32, 512, 192)
+        assert not native_experts.covers(torch.float32, 520, 192)  # hidden: 16 a vector pair
+        assert not native_experts.covers(torch.float32, 512, 196)
+    if cpu_build.cpu_has_avx512_bf16():
+        assert native_experts.covers(torch.bfloat16, 512, 192)
+        assert not native_experts.covers(torch.bfloat16, 528, 192)  # hidden: 32 a tile's k
+    if cpu_build.cpu_has_amx_bf16():
+        assert native_experts.kernel(torch.bfloat16)[0] == "amx"
+        assert not native_experts.covers(torch.bfloat16, 512, 208)  # inter: 32 a tile's k
+    else:
+        assert not any(isa == "amx" for isa, _ in native_experts.kernels(torch.bfloat16))
+    assert not native_experts.covers(torch.float16, 512, 192)
+    most = native_experts.MAX_ROWS_PER_EXPERT[torch.float32] * 64
+    assert native_experts.worth_it(most, 64, torch.float32)
+    assert not native_experts.worth_it(most + 1, 64, torch.float32)
+    assert native_experts.worth_it(10**6, 64, torch.bfloat16)

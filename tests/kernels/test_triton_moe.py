@@ -86,6 +86,7 @@ def test_engine_greedy_matches_transformers_through_triton_experts(checkpoints, 
     kernel = triton_moe.expert_products
     monkeypatch.setattr(triton_moe, "expert_products", lambda *a: calls.append(1) or kernel(*a))
     assert_greedy_matches_hf_through(
-        checkpoints["qwen3_moe"], "triton", seed=5, device=DEVICE, elementwise="triton"
-    )
+        checkpoints["qwen3_moe"], "triton", seed=5, device=DEVICE, elementwise="triton",
+        experts="triton",
+    )  # fmt: skip
     assert calls
