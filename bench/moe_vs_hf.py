@@ -2,8 +2,10 @@
 static batch size: a random-weight Qwen3-MoE shaped as Qwen3-30B-A3B scaled down to fit a small
 machine (64 experts, 8 per token, as 128/8 there), greedy, in the dtype the engine picks on its
 defaults (bfloat16 on a CPU with fast bfloat16 products) for both, same threads, one process.
-transformers runs its own grouped-product experts (its default `grouped_mm`), so both sides run
-the experts the same way and the ratio is the engine's paging, batching and scheduling.
+transformers runs its own grouped-product experts (its default `grouped_mm`); the engine runs
+its plan's (on an x86 CPU its own kernels, `kernels/native_experts.py`; `--experts grouped`
+runs the same grouped products as transformers, so that the ratio is the engine's paging,
+batching and scheduling alone).
 
 transformers runs the whole workload at each batch size of `--hf-batch-sizes` (16 to all 128 at
 once) and its best is compared; with `--sweep-requests N` the sizes are tried on the first N
@@ -51,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
         help="the engine's dtype (auto: its default on this machine); transformers runs in it",
     )  # fmt: skip
+    ap.add_argument("--experts", default="auto", choices=["auto", "native", "grouped"],
+                    help="how the engine runs the experts (auto: its plan's choice)")  # fmt: skip
     ap.add_argument("--hidden-size", type=int, default=512)
     ap.add_argument("--num-layers", type=int, default=8)
     ap.add_argument("--num-experts", type=int, default=64)
@@ -160,9 +164,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
 
     rule("ours: engine.LLM")
-    llm = LLM(str(path), device="cpu", dtype=args.dtype)
-    dtype = llm.dtype
-    print(f"dtype {str(dtype).removeprefix('torch.')}")
+    llm = LLM(str(path), device="cpu", dtype=args.dtype, experts=args.experts)
+    dtype, experts = llm.dtype, llm.plan.experts
+    print(f"dtype {str(dtype).removeprefix('torch.')}, experts {experts}")
     run_ours(llm, warm)
     ours_wall, ours_tokens = run_ours(llm, wl)
     ours_tps = wl.output_tokens / ours_wall
@@ -187,6 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
     same = sum(a == b for a, b in zip(ours_tokens, hf.tokens, strict=True))
     print(f"greedy outputs equal to transformers': {same} of {len(wl.prompts)}")
     result["outputs_equal"] = same
+    result["experts_run"] = experts
     print_result(result)
     return result
 
