@@ -123,7 +123,7 @@ def _experts(
         raise ValueError(
             "experts native: the native experts kernels run on x86 CPUs, float32 with AVX2 "
             "(hidden sizes multiples of 16, intermediate of 8) and bfloat16 with AVX512-BF16 "
-            "(32 and 16) or AMX (32 and 32)"
+            "or AMX (both multiples of 32)"
         )
     if chosen == TRITON and not triton:
         raise ValueError(

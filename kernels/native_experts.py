@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 # the sizes each kernel takes: hidden and intermediate sizes, multiples of these
-_MULTIPLES = {"avx2": (16, 8), "avx512_bf16": (32, 16), "amx": (32, 32)}
+_MULTIPLES = {"avx2": (16, 8), "avx512_bf16": (32, 32), "amx": (32, 32)}
 # float32: on average, past which the grouped product is as fast
 MAX_ROWS_PER_EXPERT = {torch.float32: 128, torch.bfloat16: None}
 

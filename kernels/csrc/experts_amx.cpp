@@ -59,15 +59,16 @@ inline void prefetch_ahead(const uint16_t* b) {
   for (int i = 0; i < 2048; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
 }
 
-// c[m, n] = round(sum_k a[m, k] * b[k, n]) for m < rows, n < n_dim; a [padded, k_dim] rows `lda`
-// apart with `padded` a multiple of 16 (rows past `rows` read, their sums dropped); b in strips
-// of k pairs [n_dim / 32, k_dim / 2, 32, 2]; c rows `ldc` apart; k_dim and n_dim multiples of 32.
+// c[m, n] = round(sum_k a[m, k] * b[k, n]) for m < rows and n in [n0, n1); a [padded, k_dim]
+// rows `lda` apart with `padded` a multiple of 16 (rows past `rows` read, their sums dropped);
+// b in strips of k pairs [n / 32, k_dim / 2, 32, 2]; c rows `ldc` apart; k_dim, n0 and n1
+// multiples of 32.
 void product(const uint16_t* a, int64_t lda, const uint16_t* b, uint16_t* c, int64_t ldc,
-             int64_t rows, int64_t padded, int64_t k_dim, int64_t n_dim) {
+             int64_t rows, int64_t padded, int64_t k_dim, int64_t n0, int64_t n1) {
   alignas(64) float sums[2 * kTileRows][32];
   for (int64_t m = 0; m < padded; m += 2 * kTileRows) {
     const bool two = m + kTileRows < padded;
-    for (int64_t n = 0; n < n_dim; n += 32) {
+    for (int64_t n = n0; n < n1; n += 32) {
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
@@ -100,14 +101,13 @@ void product(const uint16_t* a, int64_t lda, const uint16_t* b, uint16_t* c, int
   }
 }
 
+// moe_bf16.h's Kernel
 struct Tiles {
   void begin() { configure_tiles(); }
   void end() { _tile_release(); }
-  void run(const uint16_t* a, int64_t rows, int64_t padded, const uint16_t* gate_up,
-           const uint16_t* down, uint16_t* h, uint16_t* o, int64_t hidden, int64_t inter) {
-    product(a, hidden, gate_up, h, 2 * inter, padded, padded, hidden, 2 * inter);
-    conveyor::silu_mul(h, padded, inter);
-    product(h, 2 * inter, down, o, hidden, rows, padded, inter, hidden);
+  void product(const uint16_t* a, int64_t lda, const uint16_t* b, uint16_t* c, int64_t ldc,
+               int64_t rows, int64_t padded, int64_t k_dim, int64_t n0, int64_t n1) {
+    ::product(a, lda, b, c, ldc, rows, padded, k_dim, n0, n1);
   }
 };
 

@@ -30,7 +30,7 @@ constexpr int64_t kBlockRows = 36;  // rows whose a a core keeps in cache (36 KB
 template <int R>
 __attribute__((always_inline)) inline void tile(const uint16_t* a, int64_t lda,
                                                 const uint16_t* b, uint16_t* c, int64_t ldc,
-                                                int64_t k_dim, int64_t n_dim, int64_t n) {
+                                                int64_t k_dim, int64_t n) {
   __m512 acc[R][2];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -54,43 +54,42 @@ __attribute__((always_inline)) inline void tile(const uint16_t* a, int64_t lda,
   }
 }
 
-// c[m, n] = round(sum_k a[m, k] * b[k, n]) for m < rows; a rows `lda` apart, b in strips of
-// k pairs [n_dim / 32, k_dim / 2, 32, 2], c rows `ldc` apart; n_dim a multiple of 32, k_dim even. In blocks of
-// rows whose a stays in the core's cache while every column tile of b passes over it; rows in
-// tiles of 12 (24 accumulators of the 32 registers), the rest in tiles of 8, 4, 2 and 1.
+// c[m, n] = round(sum_k a[m, k] * b[k, n]) for m < rows and n in [n0, n1); a rows `lda` apart,
+// b in strips of k pairs [n / 32, k_dim / 2, 32, 2], c rows `ldc` apart; n0, n1 multiples of
+// 32, k_dim even. In blocks of rows whose a stays in the core's cache while every column tile
+// of b passes over it; rows in tiles of 12 (24 accumulators of the 32 registers), the rest in
+// tiles of 8, 4, 2 and 1.
 void product(const uint16_t* a, int64_t lda, const uint16_t* b, uint16_t* c, int64_t ldc,
-             int64_t rows, int64_t k_dim, int64_t n_dim) {
+             int64_t rows, int64_t k_dim, int64_t n0, int64_t n1) {
   for (int64_t m0 = 0; m0 < rows; m0 += kBlockRows) {
     const int64_t end = rows - m0 < kBlockRows ? rows : m0 + kBlockRows;
-    for (int64_t n = 0; n < n_dim; n += 32) {
+    for (int64_t n = n0; n < n1; n += 32) {
       int64_t m = m0;
-      for (; m + 12 <= end; m += 12)
-        tile<12>(a + m * lda, lda, b, c + m * ldc, ldc, k_dim, n_dim, n);
+      for (; m + 12 <= end; m += 12) tile<12>(a + m * lda, lda, b, c + m * ldc, ldc, k_dim, n);
       if (m + 8 <= end) {
-        tile<8>(a + m * lda, lda, b, c + m * ldc, ldc, k_dim, n_dim, n);
+        tile<8>(a + m * lda, lda, b, c + m * ldc, ldc, k_dim, n);
         m += 8;
       }
       if (m + 4 <= end) {
-        tile<4>(a + m * lda, lda, b, c + m * ldc, ldc, k_dim, n_dim, n);
+        tile<4>(a + m * lda, lda, b, c + m * ldc, ldc, k_dim, n);
         m += 4;
       }
       if (m + 2 <= end) {
-        tile<2>(a + m * lda, lda, b, c + m * ldc, ldc, k_dim, n_dim, n);
+        tile<2>(a + m * lda, lda, b, c + m * ldc, ldc, k_dim, n);
         m += 2;
       }
-      if (m < end) tile<1>(a + m * lda, lda, b, c + m * ldc, ldc, k_dim, n_dim, n);
+      if (m < end) tile<1>(a + m * lda, lda, b, c + m * ldc, ldc, k_dim, n);
     }
   }
 }
 
+// moe_bf16.h's Kernel: the rows past `rows` are not computed
 struct DotProducts {
   void begin() {}
   void end() {}
-  void run(const uint16_t* a, int64_t rows, int64_t /*padded*/, const uint16_t* gate_up,
-           const uint16_t* down, uint16_t* h, uint16_t* o, int64_t hidden, int64_t inter) {
-    product(a, hidden, gate_up, h, 2 * inter, rows, hidden, 2 * inter);
-    conveyor::silu_mul(h, rows, inter);
-    product(h, 2 * inter, down, o, hidden, rows, inter, hidden);
+  void product(const uint16_t* a, int64_t lda, const uint16_t* b, uint16_t* c, int64_t ldc,
+               int64_t rows, int64_t /*padded*/, int64_t k_dim, int64_t n0, int64_t n1) {
+    ::product(a, lda, b, c, ldc, rows, k_dim, n0, n1);
   }
 };
 
@@ -98,7 +97,7 @@ struct DotProducts {
 
 extern "C" {
 
-// moe_bf16.h's routed_experts on this file's kernel; hidden a multiple of 32, inter of 16.
+// moe_bf16.h's routed_experts on this file's kernel; hidden and inter multiples of 32.
 void conveyor_moe_bf16(const uint16_t* x, const int64_t* top_index, const void* weights,
                        int weights_f32, const uint16_t* gate_up, const uint16_t* down,
                        uint16_t* outs, uint16_t* result, int64_t tokens, int64_t k,

@@ -35,7 +35,7 @@ def swiglu(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> tor
 
 # (hidden, inter) for each kernel: the smallest it takes, and Qwen3-MoE's shape scaled down
 SIZES = {"avx2": [(64, 24), (32, 8), (512, 192)], "amx": [(32, 32), (96, 64), (512, 192)],
-         "avx512_bf16": [(32, 16), (96, 48), (512, 192)]}  # fmt: skip
+         "avx512_bf16": [(32, 32), (96, 64), (512, 192)]}  # fmt: skip
 CASES = [
     pytest.param(*kernel.values, hidden, inter, id=f"{kernel.id}-{hidden}x{inter}",
                  marks=kernel.marks)
@@ -94,16 +94,21 @@ BF16_KERNELS = [k for k in KERNELS if k.values[0] == torch.bfloat16]
 
 @pytest.mark.parametrize("dtype, isa", BF16_KERNELS)
 @pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32])
-def test_the_routed_layer_weighs_and_sums_each_tokens_experts(dtype, isa, weights_dtype):
+@pytest.mark.parametrize("experts, threads", [(6, 1), (6, 2), (2, 2), (16, 2)])
+def test_the_routed_layer_weighs_and_sums_each_tokens_experts(
+    dtype, isa, weights_dtype, experts, threads, monkeypatch
+):
     """As transformers combines them: each expert's output times its weight (rounded to
-    bfloat16 with a bfloat16 weight), the token's k of them summed in float32, rounded."""
+    bfloat16 with a bfloat16 weight), the token's k of them summed in float32, rounded. On one
+    thread and two; with few experts a thread each expert's columns are cut into parts."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     g = torch.Generator().manual_seed(3)
-    experts, hidden, inter, tokens, k = 6, 64, 32, 37, 3
+    hidden, inter, tokens, k = 96, 64, 37, 2
     gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.125).to(dtype)
     down = (torch.randn(experts, hidden, inter, generator=g) * 0.2).to(dtype)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
-    index[:5] = torch.tensor([0, 1, 2])  # expert 0 gets more than a tile of 16 rows
+    index[:20] = torch.tensor([0, 1])  # experts 0 and 1 get more than a tile of 16 rows
     weights = torch.rand(tokens, k, generator=g).to(weights_dtype)
     got = native_experts.routed_experts(
         x, index, weights, native_experts.layout(gate_up), native_experts.layout(down), inter,
@@ -135,10 +140,10 @@ def test_what_the_kernels_cover() -> None:
         assert not native_experts.covers(torch.float32, 512, 196)
     if cpu_build.cpu_has_avx512_bf16():
         assert native_experts.covers(torch.bfloat16, 512, 192)
-        assert not native_experts.covers(torch.bfloat16, 528, 192)  # hidden: 32 a tile's k
+        assert not native_experts.covers(torch.bfloat16, 528, 192)  # hidden: a strip's 32
+        assert not native_experts.covers(torch.bfloat16, 512, 208)  # inter: 32, gate/up strips
     if cpu_build.cpu_has_amx_bf16():
         assert native_experts.kernel(torch.bfloat16)[0] == "amx"
-        assert not native_experts.covers(torch.bfloat16, 512, 208)  # inter: 32 a tile's k
     else:
         assert not any(isa == "amx" for isa, _ in native_experts.kernels(torch.bfloat16))
     assert not native_experts.covers(torch.float16, 512, 192)
