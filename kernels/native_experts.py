@@ -1,14 +1,18 @@
-"""A mixture-of-experts layer's experts as one pass per expert on x86 CPUs: for each expert, its
-rows times the gate/up weight, SiLU(gate) * up and the down weight, whole experts a thread; in
-float32 with AVX2 and FMA (`csrc/experts_f32.cpp`), in bfloat16 with AVX512-BF16
+"""A mixture-of-experts layer's routed experts in one call on x86 CPUs (`routed_experts`): the
+(token, expert) pairs sorted by expert, each expert's tokens through its gate/up weight,
+SiLU(gate) * up and its down weight, whole experts a thread (or parts of them where there are
+few experts for the threads), and each token's outputs weighted and summed
+(`csrc/moe_routing.h`); the products in float32 with AVX2 and FMA (`csrc/experts_f32.cpp`), in
+bfloat16 on AMX's tile unit (`csrc/experts_amx.cpp`) or with AVX512-BF16's dot products
 (`csrc/experts_bf16.cpp`).
 
 float32, on a 2-core AVX2 CPU with 8 experts of 64 a token: a layer in 2.2x (8-128 tokens:
 bound by reading the weights, as it should be) to 1.2x (1,024 tokens) the time of torch's
 grouped products; at 4,096 tokens the two are even, so `worth_it` sends steps of more rows per
-expert than that to the grouped products. bfloat16, on a 2-core CPU with AMX (whose grouped
-products are oneDNN's, a call per expert and product): 3-4x faster at 16-128 tokens and
-still ~4x at 4,096, so it runs every step.
+expert than that to the grouped products. On a CPU with AVX-512 oneDNN's float32 grouped
+products are faster, and `kernel` offers none. bfloat16, on a 2-core CPU with AMX (whose
+grouped products are oneDNN's, a call per expert and product): 5-8x faster at 1-128 tokens and
+~4x at 4,096, so it runs every step.
 
 Each kernel reads its own layout of the weights (`layout`): float32 k-major (`[E, K, N]`
 contiguous), which torch's grouped product reads too, as its `weight.transpose(1, 2)`;
@@ -29,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from conveyor.kernels.cpu_build import load_amx, load_avx2, load_avx512_bf16
+from conveyor.kernels.cpu_build import cpu_has_avx512f, load_amx, load_avx2, load_avx512_bf16
 
 log = logging.getLogger(__name__)
 
@@ -68,16 +72,20 @@ def kernels(dtype: torch.dtype) -> tuple[tuple[str, Callable[..., None]], ...]:
 
 
 def kernel(dtype: torch.dtype) -> tuple[str, Callable[..., None]] | None:
-    """The fastest of `kernels(dtype)`, or None."""
+    """The fastest of `kernels(dtype)`, or None, also where torch's grouped products are
+    faster: float32 on a CPU with AVX-512, whose oneDNN products use it (a layer of 64 experts
+    at 16 and 128 tokens in 0.7x and 0.9x the kernel's time)."""
     found = kernels(dtype)
-    return found[0] if found else None
+    if not found or (dtype == torch.float32 and cpu_has_avx512f()):
+        return None
+    return found[0]
 
 
-FUNCTIONS = {"avx2": "conveyor_experts_f32", "avx512_bf16": "conveyor_moe_bf16",
+FUNCTIONS = {"avx2": "conveyor_moe_f32", "avx512_bf16": "conveyor_moe_bf16",
              "amx": "conveyor_moe_amx"}  # fmt: skip
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-ARGUMENTS = {
-    torch.float32: [_P] * 6 + [_I] * 3 + [ctypes.c_int],
+ARGUMENTS = {  # bfloat16's weights may be float32 or bfloat16: a flag says which
+    torch.float32: [_P] * 7 + [_I] * 5 + [ctypes.c_int],
     torch.bfloat16: [_P, _P, _P, ctypes.c_int, _P, _P, _P, _P] + [_I] * 5 + [ctypes.c_int],
 }
 
@@ -113,54 +121,36 @@ def layout(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(e, n // 32, 32, k // 2, 2).transpose(2, 3).contiguous()
 
 
-def experts(
-    rows: torch.Tensor,  # [R, hidden] float32, grouped by expert
-    counts: torch.Tensor,  # [E] int64: each expert's rows, in expert order
-    gate_up: torch.Tensor,  # `layout` of [E, 2 * inter, hidden]
-    down: torch.Tensor,  # `layout` of [E, hidden, inter]
-    inter: int,
-) -> torch.Tensor:
-    """float32: down(silu(gate) * up) of each row by its expert, [R, hidden] (the caller sorts
-    the rows by expert and weighs and sums each token's rows)."""
-    hidden = rows.shape[1]
-    gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    assert gate_up.is_contiguous() and down.is_contiguous() and counts.dtype == torch.int64
-    rows = rows.contiguous()
-    counts = counts.contiguous()
-    scratch = rows.new_empty(rows.shape[0], 2 * inter)
-    out = rows.new_empty(rows.shape[0], hidden)
-    kernel(torch.float32)[1](
-        rows.data_ptr(), counts.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
-        scratch.data_ptr(), out.data_ptr(), counts.shape[0], hidden, inter,
-        torch.get_num_threads(),
-    )  # fmt: skip
-    return out
-
-
 def routed_experts(
-    x: torch.Tensor,  # [T, hidden] bfloat16
+    x: torch.Tensor,  # [T, hidden]
     top_index: torch.Tensor,  # [T, k]: each token's experts
-    top_weights: torch.Tensor,  # [T, k] float32 or bfloat16: their routing weights
+    top_weights: torch.Tensor,  # [T, k]: their routing weights (float32, or bfloat16 for x's)
     gate_up: torch.Tensor,  # `layout` of [E, 2 * inter, hidden]
     down: torch.Tensor,  # `layout` of [E, hidden, inter]
     inter: int,
     isa: str | None = None,
 ) -> torch.Tensor:
-    """bfloat16: each token's sum of its experts' down(silu(gate) * up) times their weights,
-    [T, hidden], the whole routed part of the layer in one call (csrc/moe_bf16.h), by the kernel
-    of `isa` (one of `kernels(torch.bfloat16)`; by default the fastest)."""
+    """Each token's sum of its experts' down(silu(gate) * up) times their weights, [T, hidden]:
+    the whole routed part of the layer in one call (csrc/moe_routing.h), by the kernel of `isa`
+    (one of `kernels(x.dtype)`; by default the first)."""
     tokens, hidden = x.shape
     num_experts, k = gate_up.shape[0], top_index.shape[1]
-    assert x.dtype == torch.bfloat16 and top_weights.dtype in (torch.float32, torch.bfloat16)
+    dtype = x.dtype
+    if dtype == torch.float32:  # k-major: the layout's strides, transposed, are contiguous
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        assert top_weights.dtype == torch.float32
+    else:
+        assert top_weights.dtype in (torch.float32, torch.bfloat16)
     assert gate_up.is_contiguous() and down.is_contiguous()
     x, weights = x.contiguous(), top_weights.contiguous()
     index = top_index.to(torch.int64).contiguous()
-    outs = torch.empty(tokens * k, hidden, dtype=torch.bfloat16)
-    out = torch.empty(tokens, hidden, dtype=torch.bfloat16)
-    run = kernel(torch.bfloat16)[1] if isa is None else dict(kernels(torch.bfloat16))[isa]
+    outs = torch.empty(tokens * k, hidden, dtype=dtype)
+    out = torch.empty(tokens, hidden, dtype=dtype)
+    run = kernels(dtype)[0][1] if isa is None else dict(kernels(dtype))[isa]
+    flag = () if dtype == torch.float32 else (weights.dtype == torch.float32,)
     run(
-        x.data_ptr(), index.data_ptr(), weights.data_ptr(), weights.dtype == torch.float32,
-        gate_up.data_ptr(), down.data_ptr(), outs.data_ptr(), out.data_ptr(), tokens, k,
-        num_experts, hidden, inter, torch.get_num_threads(),
+        x.data_ptr(), index.data_ptr(), weights.data_ptr(), *flag, gate_up.data_ptr(),
+        down.data_ptr(), outs.data_ptr(), out.data_ptr(), tokens, k, num_experts, hidden, inter,
+        torch.get_num_threads(),
     )  # fmt: skip
     return out

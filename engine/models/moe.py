@@ -116,8 +116,7 @@ class Experts(RowTiled, RunsActivation, RunsExperts, nn.Module):
             out = triton_moe().expert_products(x, self.gate_up, self.down, top_index)
             out = out * top_weights.reshape(-1, 1)
             return out.view(x.shape[0], k, -1).sum(dim=1).to(x.dtype)
-        native = self._native_runs(x.shape[0] * k, x.dtype, x.shape[1])
-        if native and not native_experts.shares_layout(x.dtype):
+        if self._native_runs(x.shape[0] * k, x.dtype, x.shape[1]):
             return native_experts.routed_experts(
                 x, top_index, top_weights, self.gate_up, self.down, self.inter
             )
@@ -128,11 +127,8 @@ class Experts(RowTiled, RunsActivation, RunsExperts, nn.Module):
         # not bincount: its length depends on the values, which a CUDA graph cannot capture
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
-        if native:
-            out = native_experts.experts(rows, counts, self.gate_up, self.down, self.inter)
-        else:
-            out = self._linear(self.silu_and_mul(self._linear(rows, self.gate_up, counts)),
-                               self.down, counts)  # fmt: skip
+        out = self._linear(self.silu_and_mul(self._linear(rows, self.gate_up, counts)),
+                           self.down, counts)  # fmt: skip
         out = out * top_weights.reshape(-1)[perm].unsqueeze(-1)
         in_order = torch.empty_like(out)
         in_order[perm] = out
@@ -144,9 +140,9 @@ class Experts(RowTiled, RunsActivation, RunsExperts, nn.Module):
         laid out as the kernel reads them, in place. In float32 that layout is also the grouped
         product's `weight.transpose(1, 2)`, and steps of many rows an expert, or every step in
         batch-invariant mode (which path runs would depend on the step's rows), go there; in
-        bfloat16 the kernel has a layout of its own and runs every step from then on, the whole
-        routed layer (its rows' results never depend on the step's other rows, so
-        batch-invariant mode too). `rows`: the step's (token, expert) pairs."""
+        bfloat16 the kernel has a layout of its own and runs every step from then on (its
+        rows' results never depend on the step's other rows, so batch-invariant mode too). The
+        kernel takes the whole routed layer. `rows`: the step's (token, expert) pairs."""
         if not (self.kernel == NATIVE and self.activation == "silu"):
             return False
         if native_experts.shares_layout(dtype) and (

@@ -1,6 +1,6 @@
 // A mixture-of-experts layer's experts in bfloat16 on x86 CPUs with AMX: csrc/experts_bf16.cpp's
 // work (each expert's rows times its gate/up weight, SiLU(gate) * up, times its down weight, one
-// expert a task, inside moe_bf16.h's routing and combining) with the products on the tile
+// expert a task, inside moe_routing.h's routing and combining) with the products on the tile
 // unit, which takes 16 rows x 32 k x 16 columns in one instruction: on a 2-core CPU, ~4x the
 // AVX512-BF16 dot products' rate at 4,096 tokens.
 //
@@ -101,12 +101,13 @@ void product(const uint16_t* a, int64_t lda, const uint16_t* b, uint16_t* c, int
   }
 }
 
-// moe_bf16.h's Kernel
-struct Tiles {
+// moe_routing.h's Kernel
+struct Tiles : conveyor::Bf16Elementwise {
   void begin() { configure_tiles(); }
   void end() { _tile_release(); }
-  void product(const uint16_t* a, int64_t lda, const uint16_t* b, uint16_t* c, int64_t ldc,
-               int64_t rows, int64_t padded, int64_t k_dim, int64_t n0, int64_t n1) {
+  void product(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t /*n_dim*/, uint16_t* c,
+               int64_t ldc, int64_t rows, int64_t padded, int64_t k_dim, int64_t n0,
+               int64_t n1) {
     ::product(a, lda, b, c, ldc, rows, padded, k_dim, n0, n1);
   }
 };
@@ -120,7 +121,7 @@ int conveyor_amx_ready() {
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0 ? 1 : 0;
 }
 
-// moe_bf16.h's routed_experts on the tile unit; hidden and inter multiples of 32.
+// moe_routing.h's routed_experts on the tile unit; hidden and inter multiples of 32.
 void conveyor_moe_amx(const uint16_t* x, const int64_t* top_index, const void* weights,
                       int weights_f32, const uint16_t* gate_up, const uint16_t* down,
                       uint16_t* outs, uint16_t* result, int64_t tokens, int64_t k,

@@ -1,7 +1,7 @@
 // A mixture-of-experts layer's experts in bfloat16 on x86 CPUs with AVX512-BF16: each expert's
 // rows times its gate/up weight, SiLU(gate) * up, times its down weight, one expert a task, the
 // experts spread over the threads (as csrc/experts_f32.cpp, whose notes hold here too), inside
-// moe_bf16.h's routing and combining of the layer.
+// moe_routing.h's routing and combining of the layer.
 //
 // Weights are stored in strips of 32 columns, each in k pairs ([N / 32, K / 2, 32, 2]: for each
 // pair of k, each column's two weights side by side), the operand of the bfloat16 dot-product
@@ -83,12 +83,13 @@ void product(const uint16_t* a, int64_t lda, const uint16_t* b, uint16_t* c, int
   }
 }
 
-// moe_bf16.h's Kernel: the rows past `rows` are not computed
-struct DotProducts {
+// moe_routing.h's Kernel: the rows past `rows` are not computed
+struct DotProducts : conveyor::Bf16Elementwise {
   void begin() {}
   void end() {}
-  void product(const uint16_t* a, int64_t lda, const uint16_t* b, uint16_t* c, int64_t ldc,
-               int64_t rows, int64_t /*padded*/, int64_t k_dim, int64_t n0, int64_t n1) {
+  void product(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t /*n_dim*/, uint16_t* c,
+               int64_t ldc, int64_t rows, int64_t /*padded*/, int64_t k_dim, int64_t n0,
+               int64_t n1) {
     ::product(a, lda, b, c, ldc, rows, k_dim, n0, n1);
   }
 };
@@ -97,7 +98,7 @@ struct DotProducts {
 
 extern "C" {
 
-// moe_bf16.h's routed_experts on this file's kernel; hidden and inter multiples of 32.
+// moe_routing.h's routed_experts on this file's kernel; hidden and inter multiples of 32.
 void conveyor_moe_bf16(const uint16_t* x, const int64_t* top_index, const void* weights,
                        int weights_f32, const uint16_t* gate_up, const uint16_t* down,
                        uint16_t* outs, uint16_t* result, int64_t tokens, int64_t k,

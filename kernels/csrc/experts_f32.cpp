@@ -1,6 +1,7 @@
 // A mixture-of-experts layer's experts in float32 on x86 CPUs with AVX2 and FMA, for steps of
 // up to a few hundred rows per expert: each expert's rows times its gate/up weight, SiLU(gate) * up,
-// times its down weight, one expert a task, the experts spread over the threads.
+// times its down weight, one expert a task, the experts spread over the threads, inside
+// moe_routing.h's routing and combining of the layer.
 //
 // A grouped product splits each expert's small product over every thread, which then meet at a
 // barrier per expert (64 experts: 128 a layer); here a thread runs whole experts alone, and the
@@ -14,6 +15,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "moe_routing.h"
 #include "simd_avx2.h"
 
 namespace {
@@ -48,16 +50,16 @@ __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, con
   }
 }
 
-// c[m, n] = sum_k a[m, k] * b[k, n] for m < rows; a rows `lda` apart, b [k_dim, n_dim], c rows
-// `ldc` apart; n_dim a multiple of 16. In blocks of rows whose a stays in the core's cache
-// while every column tile of b passes over it; rows in tiles of 6 (12 accumulators: the most
-// that leave registers for b and a broadcast), the rest in tiles of 4, 2 and 1. A row's sum is
-// in k order whatever its tile.
+// c[m, n] = sum_k a[m, k] * b[k, n] for m < rows and n in [n0, n1); a rows `lda` apart, b
+// [k_dim, n_dim], c rows `ldc` apart; n1 - n0 a multiple of 16. In blocks of rows whose a
+// stays in the core's cache while every column tile of b passes over it; rows in tiles of 6
+// (12 accumulators: the most that leave registers for b and a broadcast), the rest in tiles of
+// 4, 2 and 1. A row's sum is in k order whatever its tile.
 void product(const float* a, int64_t lda, const float* b, float* c, int64_t ldc, int64_t rows,
-             int64_t k_dim, int64_t n_dim) {
+             int64_t k_dim, int64_t n_dim, int64_t n0, int64_t n1) {
   for (int64_t m0 = 0; m0 < rows; m0 += kBlockRows) {
     const int64_t end = rows - m0 < kBlockRows ? rows : m0 + kBlockRows;
-    for (int64_t n = 0; n < n_dim; n += 16) {
+    for (int64_t n = n0; n < n1; n += 16) {
       int64_t m = m0;
       for (; m + 6 <= end; m += 6) tile<6>(a + m * lda, lda, b, c + m * ldc, ldc, k_dim, n_dim, n);
       if (m + 4 <= end) {
@@ -73,45 +75,52 @@ void product(const float* a, int64_t lda, const float* b, float* c, int64_t ldc,
   }
 }
 
-// in place over each row's first `inter` columns: silu(gate) * up, up the next `inter`
-void silu_mul(float* h, int64_t rows, int64_t inter) {
-  for (int64_t m = 0; m < rows; ++m) {
-    float* g = h + m * 2 * inter;
-    for (int64_t c = 0; c < inter; c += 8) {
-      const __m256 silu = silu8(_mm256_loadu_ps(g + c));
-      _mm256_storeu_ps(g + c, _mm256_mul_ps(silu, _mm256_loadu_ps(g + inter + c)));
+// moe_routing.h's Kernel: the rows past `rows` are not computed; weights k-major ([K, N])
+struct Avx2 {
+  using Element = float;
+  static constexpr int64_t kColumns = 16;
+
+  void begin() {}
+  void end() {}
+  void product(const float* a, int64_t lda, const float* b, int64_t n_dim, float* c, int64_t ldc,
+               int64_t rows, int64_t /*padded*/, int64_t k_dim, int64_t n0, int64_t n1) {
+    ::product(a, lda, b, c, ldc, rows, k_dim, n_dim, n0, n1);
+  }
+  void silu_mul(float* h, int64_t rows, int64_t inter, int64_t c0, int64_t c1) {
+    for (int64_t m = 0; m < rows; ++m) {
+      float* g = h + m * 2 * inter;
+      for (int64_t c = c0; c < c1; c += 8)
+        _mm256_storeu_ps(g + c, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + c)),
+                                              _mm256_loadu_ps(g + inter + c)));
     }
   }
-}
+  // each pair's output times its weight, summed in k order, as torch's float32 sum over k
+  static void combine(const float* outs, const int64_t* place, const void* weights,
+                      bool /*weights_f32: always*/, int64_t first, int64_t k, int64_t hidden,
+                      float* out) {
+    const auto* w = static_cast<const float*>(weights);
+    for (int64_t c = 0; c < hidden; c += 8) {
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t j = 0; j < k; ++j) {
+        const __m256 v = _mm256_loadu_ps(outs + place[first + j] * hidden + c);
+        sum = _mm256_add_ps(sum, _mm256_mul_ps(v, _mm256_set1_ps(w[first + j])));
+      }
+      _mm256_storeu_ps(out + c, sum);
+    }
+  }
+};
 
 }  // namespace
 
 extern "C" {
 
-// rows [R, hidden], grouped by expert (counts[e] rows each, in expert order); gate_up_t
-// [E, hidden, 2 * inter] (each expert's gate columns, then its up columns); down_t
-// [E, inter, hidden]; scratch [R, 2 * inter]; out [R, hidden]. hidden a multiple of 16, inter
-// of 8.
-void conveyor_experts_f32(const float* rows, const int64_t* counts, const float* gate_up_t,
-                          const float* down_t, float* scratch, float* out, int64_t experts,
-                          int64_t hidden, int64_t inter, int threads) {
-  std::vector<int64_t> starts(experts);
-  int64_t start = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    starts[e] = start;
-    start += counts[e];
-  }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t e = 0; e < experts; ++e) {
-    const int64_t n = counts[e];
-    if (n == 0) continue;
-    const int64_t first = starts[e];
-    float* h = scratch + first * 2 * inter;
-    product(rows + first * hidden, hidden, gate_up_t + e * hidden * 2 * inter, h, 2 * inter, n,
-            hidden, 2 * inter);
-    silu_mul(h, n, inter);
-    product(h, 2 * inter, down_t + e * inter * hidden, out + first * hidden, hidden, n, inter,
-            hidden);
-  }
+// moe_routing.h's routed_experts on this file's kernel (weights float32); gate_up
+// [E, hidden, 2 * inter] and down [E, inter, hidden] k-major; hidden a multiple of 16, inter of 8.
+void conveyor_moe_f32(const float* x, const int64_t* top_index, const float* weights,
+                      const float* gate_up, const float* down, float* outs, float* result,
+                      int64_t tokens, int64_t k, int64_t experts, int64_t hidden, int64_t inter,
+                      int threads) {
+  conveyor::routed_experts<Avx2>(x, top_index, weights, true, gate_up, down, outs, result,
+                                 tokens, k, experts, hidden, inter, threads);
 }
 }
