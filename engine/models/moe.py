@@ -4,7 +4,10 @@ A softmax router picks each token's top-k experts. The experts run as grouped ma
 the (token, expert) pairs are sorted by expert, each expert's rows are one contiguous group, and
 one grouped product per projection covers every expert (`torch.nn.functional.grouped_mm`; where
 this torch or device has none, one product per expert that got tokens). The outputs are weighted,
-put back in token order and summed over each token's k experts, in transformers' order.
+put back in token order and summed over each token's k experts, in transformers' order. How the
+experts run is the device plan's choice (`RunsExperts.kernel`): on CUDA two Triton launches
+(`kernels.triton_moe`), on an x86 CPU our own kernels, which take the whole routed layer in one
+call (`kernels.native_experts`), elsewhere the grouped products above.
 """
 
 from __future__ import annotations
@@ -135,9 +138,9 @@ class Experts(RowTiled, RunsActivation, RunsExperts, nn.Module):
         return in_order.view(x.shape[0], k, -1).sum(dim=1).to(x.dtype)
 
     def _native_runs(self, rows: int, dtype: torch.dtype, hidden: int) -> bool:
-        """Whether this step's experts run in `native_experts`' kernel: where the plan chose
-        it (an x86 CPU), with SiLU. The first time, the weights are
-        laid out as the kernel reads them, in place. In float32 that layout is also the grouped
+        """Whether this step's experts run in `native_experts`' kernel: where the plan chose it
+        (an x86 CPU), with SiLU. The first time, the weights are laid out as the kernel reads
+        them, in place. In float32 that layout is also the grouped
         product's `weight.transpose(1, 2)`, and steps of many rows an expert, or every step in
         batch-invariant mode (which path runs would depend on the step's rows), go there; in
         bfloat16 the kernel has a layout of its own and runs every step from then on (its
