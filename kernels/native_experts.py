@@ -38,6 +38,8 @@ from conveyor.kernels.cpu_build import cpu_has_avx512f, load_amx, load_avx2, loa
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
+SOURCES = {"avx2": CSRC / "experts_f32.cpp", "amx": CSRC / "experts_amx.cpp",
+           "avx512_bf16": CSRC / "experts_bf16.cpp"}  # fmt: skip
 # the sizes each kernel takes: hidden and intermediate sizes, multiples of these
 _MULTIPLES = {"avx2": (16, 8), "avx512_bf16": (32, 32), "amx": (32, 32)}
 # float32: on average, past which the grouped product is as fast
@@ -53,15 +55,15 @@ def kernels(dtype: torch.dtype) -> tuple[tuple[str, Callable[..., None]], ...]:
     fallback = "experts run as grouped products"
     found: list[tuple[str, ctypes.CDLL | None]] = []
     if dtype == torch.float32:
-        found.append(("avx2", load_avx2(CSRC / "experts_f32.cpp", fallback)))
+        found.append(("avx2", load_avx2(SOURCES["avx2"], fallback)))
     elif dtype == torch.bfloat16:
-        amx = load_amx(CSRC / "experts_amx.cpp", fallback)
+        amx = load_amx(SOURCES["amx"], fallback)
         if amx is not None and not amx.conveyor_amx_ready():
             log.warning("Linux did not lend this process AMX's tile registers: experts use "
                         "AVX512-BF16's dot products")  # fmt: skip
             amx = None
         found.append(("amx", amx))
-        found.append(("avx512_bf16", load_avx512_bf16(CSRC / "experts_bf16.cpp", fallback)))
+        found.append(("avx512_bf16", load_avx512_bf16(SOURCES["avx512_bf16"], fallback)))
     loaded = []
     for isa, lib in found:
         if lib is not None:

@@ -311,7 +311,9 @@ class WorkerRuntime:
             "still shutting down %.0f s after the signal (%d shards running); thread stacks "
             "follow on stderr", SLOW_SHUTDOWN_SECONDS, self._shard_runs,
         )  # fmt: skip
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        # sys.__stderr__: Celery's worker replaces sys.stderr by a logging proxy, which has no
+        # file descriptor for faulthandler to write to
+        faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
 
     def run_shard(self, shard_id: int) -> str:
         with log_context(shard_id=shard_id, worker=self.name):

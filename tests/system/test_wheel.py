@@ -99,26 +99,32 @@ def test_installed_conveyor_imports_alone(venv_python: Path, tmp_path: Path) -> 
 def test_the_installed_cpu_kernels_build(venv_python: Path, tmp_path: Path) -> None:
     """The kernels' sources build from the installed package (a compiler does not need the
     instructions it compiles), and load and run where the CPU has the instructions: AVX512-BF16
-    for the bfloat16 kernels, AVX2 and FMA for the float32 ones."""
+    (and AMX) for the bfloat16 kernels, AVX2 and FMA for the float32 ones."""
     code = (
         "import torch\n"
         "from conveyor.kernels import cpu_build, native_experts, native_layers, native_paged\n"
         "from conveyor.kernels import native_paged_f32\n"
         "compiler = cpu_build.cxx()\n"
+        "experts = native_experts.SOURCES\n"
         "for source, flags in ((native_layers.SOURCE, cpu_build.AVX512_BF16_FLAGS),\n"
         "                      (native_paged.SOURCE, cpu_build.AVX512_BF16_FLAGS),\n"
         "                      (native_layers.SOURCE_F32, cpu_build.AVX2_UNFUSED_FLAGS),\n"
         "                      (native_paged_f32.SOURCE, cpu_build.AVX2_FLAGS),\n"
-        "                      (native_experts.SOURCE, cpu_build.AVX2_FLAGS)):\n"
+        "                      (experts['avx2'], cpu_build.AVX2_FLAGS),\n"
+        "                      (experts['avx512_bf16'], cpu_build.AVX512_BF16_FLAGS),\n"
+        "                      (experts['amx'], cpu_build.AMX_FLAGS)):\n"
         "    built = cpu_build.build_library(compiler, source, flags)\n"
         "    assert built.is_file(), built\n"
         "print(native_layers.available(torch.bfloat16), cpu_build.cpu_has_avx512_bf16(),\n"
-        "      native_layers.available(torch.float32), cpu_build.cpu_has_avx2())\n"
+        "      native_layers.available(torch.float32), cpu_build.cpu_has_avx2(),\n"
+        "      [isa for isa, _ in native_experts.kernels(torch.bfloat16)] ==\n"
+        "      ['amx'] * cpu_build.cpu_has_amx_bf16()\n"
+        "      + ['avx512_bf16'] * cpu_build.cpu_has_avx512_bf16())\n"
     )
     done = run(venv_python, code, tmp_path, XDG_CACHE_HOME=str(tmp_path / "cache"))
     assert done.returncode == 0, done.stderr
-    bf16, has_bf16, f32, has_avx2 = done.stdout.split()
-    assert (bf16, f32) == (has_bf16, has_avx2)
+    bf16, has_bf16, f32, has_avx2, experts_as_the_cpu_has = done.stdout.split()
+    assert (bf16, f32, experts_as_the_cpu_has) == (has_bf16, has_avx2, "True")
 
 
 def test_installed_serve_answers_a_batch(venv_python: Path, tmp_path: Path) -> None:
