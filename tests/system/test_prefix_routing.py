@@ -80,13 +80,15 @@ def test_each_system_prompt_runs_on_one_worker(stack: Stack, chat_model: Path, t
 
 def test_killing_one_worker_moves_its_share(stack: Stack, chat_model: Path, tmp_path: Path):
     api = stack.start_api()
-    stack.start_worker("w1", chat_model, "--concurrency", "2")
+    # w1 runs 4 sequences at a time, whatever the machine's speed
+    stack.start_worker("w1", chat_model, "--concurrency", "2", "--max-num-seqs", "4")
     stack.start_worker("w2", chat_model, "--concurrency", "2")
     sys_a, sys_b = systems_owned_by(["w1", "w2"])
     batches = []
     # every line runs its full length (a random model can emit EOS within a few tokens), so w1
-    # takes 5 rounds of 2 shards x 96 steps for its share: when its first round's results
-    # appear, 4 rounds are left, far more than the time between the poll and the kill
+    # takes 20 rounds of 4 sequences x 96 steps for its share: when its first results appear,
+    # most rounds are left, far more than the time between the poll and the kill (with 16
+    # sequences at a time, a fast machine finished the share before the kill)
     for i, system in enumerate([sys_a, sys_b, sys_a, sys_b]):
         lines = batch_lines(40, system=system, prefix=f"k{i}", max_tokens=96)
         for line in lines:
