@@ -13,7 +13,6 @@
 #include <immintrin.h>
 
 #include <cstdint>
-#include <vector>
 
 #include "moe_routing.h"
 #include "simd_avx2.h"

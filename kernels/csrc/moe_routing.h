@@ -58,12 +58,14 @@ void routed_experts(const Element* x, const int64_t* top_index, const void* weig
     place[p] = next[top_index[p]]++;
     order[place[p]] = p;
   }
-  // the experts that have rows, and where each one's rows start in whole tiles
+  // the experts that have rows, where each one's rows start in whole tiles, and the most tiles
   std::vector<int64_t> active, padded_start(experts + 1, 0);
+  int64_t most = 0;
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t n = starts[e + 1] - starts[e];
     if (n > 0) active.push_back(e);
     padded_start[e + 1] = padded_start[e] + whole_tiles(n);
+    most = std::max(most, whole_tiles(n));
   }
   const int64_t count = static_cast<int64_t>(active.size());
   constexpr int64_t width = Kernel::kColumns;
@@ -110,8 +112,6 @@ void routed_experts(const Element* x, const int64_t* top_index, const void* weig
     Kernel kernel;
     kernel.begin();
     if (whole) {  // one expert a task, its rows and activations in the thread's cache
-      int64_t most = 0;
-      for (int64_t e : active) most = std::max(most, whole_tiles(starts[e + 1] - starts[e]));
       std::unique_ptr<Element[]> rows(new Element[most * hidden]);
       std::unique_ptr<Element[]> h(new Element[most * 2 * inter]);
 #pragma omp for schedule(dynamic, 1)
