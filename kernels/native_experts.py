@@ -6,19 +6,18 @@ few experts for the threads), and each token's outputs weighted and summed
 bfloat16 on AMX's tile unit (`csrc/experts_amx.cpp`) or with AVX512-BF16's dot products
 (`csrc/experts_bf16.cpp`).
 
-float32, on a 2-core AVX2 CPU with 8 experts of 64 a token: a layer in 2.2x (8-128 tokens:
-bound by reading the weights, as it should be) to 1.2x (1,024 tokens) the time of torch's
-grouped products; at 4,096 tokens the two are even, so `worth_it` sends steps of more rows per
-expert than that to the grouped products. On a CPU with AVX-512 oneDNN's float32 grouped
-products are faster, and `kernel` offers none. bfloat16, on a 2-core CPU with AMX (whose
-grouped products are oneDNN's, a call per expert and product): 5-8x faster at 1-128 tokens and
-~4x at 4,096, so it runs every step.
+float32, on a 2-core AVX2 CPU (AMD EPYC) with 8 experts of 64 a token: a layer in 0.26-0.42x
+the time of torch's grouped products at 16-128 tokens and ~0.5x at 256-4,096, so it runs every
+step. On a CPU with AVX-512 oneDNN's float32 grouped products were measured faster than
+an earlier version of this kernel, and `kernel` offers none. bfloat16, on a 2-core CPU with AMX
+(whose grouped products are oneDNN's, a call per expert and product): 5-8x faster at 1-128
+tokens and ~4x at 4,096. A row's result never depends on the step's other rows (its sums run in
+k order whatever its tile), so batch-invariant mode runs the kernels too.
 
-Each kernel reads its own layout of the weights (`layout`): float32 k-major (`[E, K, N]`
-contiguous), which torch's grouped product reads too, as its `weight.transpose(1, 2)`;
-bfloat16 in strips of 32 columns in pairs of k (`[E, N / 32, K / 2, 32, 2]`), the operand of
-the CPU's bfloat16 dot product and of AMX's tiles, read front to back, which nothing else
-reads.
+Each kernel reads its own layout of the weights (`layout`), made once at load and read front to
+back: float32 in strips of 16 columns, k-major within a strip (`[E, N / 16, K, 16]`); bfloat16
+in strips of 32 columns in pairs of k (`[E, N / 32, K / 2, 32, 2]`), the operand of the CPU's
+bfloat16 dot product and of AMX's tiles. Nothing else reads them.
 
 Built and cached like the other CPU kernels (`kernels.cpu_build`).
 """
@@ -42,8 +41,6 @@ SOURCES = {"avx2": CSRC / "experts_f32.cpp", "amx": CSRC / "experts_amx.cpp",
            "avx512_bf16": CSRC / "experts_bf16.cpp"}  # fmt: skip
 # the sizes each kernel takes: hidden and intermediate sizes, multiples of these
 _MULTIPLES = {"avx2": (16, 8), "avx512_bf16": (32, 32), "amx": (32, 32)}
-# float32: on average, past which the grouped product is as fast
-MAX_ROWS_PER_EXPERT = {torch.float32: 128, torch.bfloat16: None}
 
 
 @functools.cache
@@ -101,25 +98,13 @@ def covers(dtype: torch.dtype, hidden: int, inter: int) -> bool:
     return hidden % h == 0 and inter % i == 0
 
 
-def worth_it(rows: int, num_experts: int, dtype: torch.dtype) -> bool:
-    """Whether a step of `rows` (token, expert) pairs runs faster here than grouped."""
-    limit = MAX_ROWS_PER_EXPERT[dtype]
-    return limit is None or rows <= limit * num_experts
-
-
-def shares_layout(dtype: torch.dtype) -> bool:
-    """Whether torch's grouped product reads the weights in this kernel's layout too (else the
-    kernel runs every step once it holds them)."""
-    return dtype == torch.float32
-
-
 def layout(weight: torch.Tensor) -> torch.Tensor:
-    """[E, N, K] (torch's linear weights, stacked) as the kernel of its dtype reads them: as
-    `[E, N, K]` strides over k-major memory in float32, in bfloat16 as strips of 32 columns
+    """[E, N, K] (torch's linear weights, stacked) as the kernel of its dtype reads them: in
+    float32 as strips of 16 columns, `[E, N / 16, K, 16]`; in bfloat16 as strips of 32 columns
     in pairs of k, `[E, N / 32, K / 2, 32, 2]`."""
-    if weight.dtype == torch.float32:
-        return weight.transpose(1, 2).contiguous().transpose(1, 2)
     e, n, k = weight.shape
+    if weight.dtype == torch.float32:
+        return weight.view(e, n // 16, 16, k).transpose(2, 3).contiguous()
     return weight.view(e, n // 32, 32, k // 2, 2).transpose(2, 3).contiguous()
 
 
@@ -138,8 +123,7 @@ def routed_experts(
     tokens, hidden = x.shape
     num_experts, k = gate_up.shape[0], top_index.shape[1]
     dtype = x.dtype
-    if dtype == torch.float32:  # k-major: the layout's strides, transposed, are contiguous
-        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    if dtype == torch.float32:
         assert top_weights.dtype == torch.float32
     else:
         assert top_weights.dtype in (torch.float32, torch.bfloat16)

@@ -119,7 +119,7 @@ class Experts(RowTiled, RunsActivation, RunsExperts, nn.Module):
             out = triton_moe().expert_products(x, self.gate_up, self.down, top_index)
             out = out * top_weights.reshape(-1, 1)
             return out.view(x.shape[0], k, -1).sum(dim=1).to(x.dtype)
-        if self._native_runs(x.shape[0] * k, x.dtype, x.shape[1]):
+        if self._native_runs(x.dtype, x.shape[1]):
             return native_experts.routed_experts(
                 x, top_index, top_weights, self.gate_up, self.down, self.inter
             )
@@ -137,20 +137,13 @@ class Experts(RowTiled, RunsActivation, RunsExperts, nn.Module):
         in_order[perm] = out
         return in_order.view(x.shape[0], k, -1).sum(dim=1).to(x.dtype)
 
-    def _native_runs(self, rows: int, dtype: torch.dtype, hidden: int) -> bool:
+    def _native_runs(self, dtype: torch.dtype, hidden: int) -> bool:
         """Whether this step's experts run in `native_experts`' kernel: where the plan chose it
-        (an x86 CPU), with SiLU. The first time, the weights are laid out as the kernel reads
-        them, in place. In float32 that layout is also the grouped
-        product's `weight.transpose(1, 2)`, and steps of many rows an expert, or every step in
-        batch-invariant mode (which path runs would depend on the step's rows), go there; in
-        bfloat16 the kernel has a layout of its own and runs every step from then on (its
-        rows' results never depend on the step's other rows, so batch-invariant mode too). The
-        kernel takes the whole routed layer. `rows`: the step's (token, expert) pairs."""
+        (an x86 CPU), with SiLU, for sizes it takes. The first time, the weights are laid out
+        as the kernel reads them, in place; it runs every step from then on (its rows' results
+        never depend on the step's other rows, so batch-invariant mode too). The kernel takes
+        the whole routed layer."""
         if not (self.kernel == NATIVE and self.activation == "silu"):
-            return False
-        if native_experts.shares_layout(dtype) and (
-            self.row_tiles or not native_experts.worth_it(rows, self.num_experts, dtype)
-        ):
             return False
         if not self.native_layout:
             if not native_experts.covers(dtype, hidden, self.inter):
