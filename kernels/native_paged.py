@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -86,11 +87,23 @@ def write_kv(
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> None:
     """Same as `torch_paged.write_kv`, one copy per row instead of index_put's scatter."""
+    write_rows(_library().conveyor_write_kv_bf16, key, value, k_cache, v_cache, slot_mapping)
+
+
+def write_rows(
+    write: Callable[..., None],
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """`write_kv` by a kernel's `write` (csrc/kv_slots.h): rows of [kv_heads, head_dim]."""
     tokens, kv_heads, head_dim = key.shape
     key, value = (t if t.stride(2) == 1 and t.stride(1) == head_dim else t.contiguous()
                   for t in (key, value))  # fmt: skip
     slots = slot_mapping.to(torch.int64).contiguous()
-    _library().conveyor_write_kv_bf16(
+    write(
         key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), tokens, kv_heads, head_dim,
     )  # fmt: skip
@@ -108,36 +121,11 @@ def decode_attention(
     softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same inputs and results as `torch_paged.decode_attention`, for what `covers` accepts."""
-    query, out, lse = _outputs(query, return_lse)
-    if query.shape[0]:
-        tables = block_tables.to(torch.int32).contiguous()
-        lens = context_lens.to(torch.int32).contiguous()
-        _check(
-            _library().conveyor_paged_decode_bf16(
-                query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                lens.data_ptr(), out.data_ptr(), None if lse is None else lse.data_ptr(),
-                query.shape[0], query.shape[1], k_cache.shape[1], query.shape[2],
-                tables.shape[1], float(scale), torch.get_num_threads(), window or 0,
-                float(softcap or 0.0),
-            ),
-            query,
-        )  # fmt: skip
-    return (out, lse) if return_lse else out
-
-
-def _outputs(
-    query: torch.Tensor, return_lse: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The query as the kernels read it, and the output (and log-sum-exp) they write."""
     assert _library() is not None, "check covers() first"
-    query = query.contiguous()
-    lse = torch.empty(query.shape[:2], dtype=torch.float32) if return_lse else None
-    return query, torch.empty_like(query), lse
-
-
-def _check(status: int, query: torch.Tensor) -> None:
-    if status != 0:
-        raise ValueError(f"the bfloat16 attention kernel does not cover {tuple(query.shape)}")
+    return run_decode(
+        _library().conveyor_paged_decode_bf16, query, k_cache, v_cache, block_tables,
+        context_lens, scale, return_lse, window, softcap,
+    )  # fmt: skip
 
 
 def prefill_attention(
@@ -155,13 +143,47 @@ def prefill_attention(
     """Same inputs and results as `torch_paged.prefill_attention`, this step's K/V already in
     the cache: each chunk's queries attend causally to their sequence's blocks, 16 query
     vectors (rows times the query heads of a KV head) at a time."""
+    assert _library() is not None, "check covers() first"
+    return run_prefill(
+        _library().conveyor_paged_prefill_bf16, query, k_cache, v_cache, block_tables,
+        query_start, context_lens, scale, return_lse, window, softcap,
+    )  # fmt: skip
+
+
+def run_decode(
+    kernel: Callable[..., int], query, k_cache, v_cache, block_tables, context_lens, scale,
+    return_lse, window, softcap,
+):  # fmt: skip
+    """`decode_attention` by a decode kernel of csrc/ (`conveyor_paged_decode_*`)."""
+    query, out, lse = _outputs(query, return_lse)
+    if query.shape[0]:
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = context_lens.to(torch.int32).contiguous()
+        _check(
+            kernel(
+                query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                lens.data_ptr(), out.data_ptr(), None if lse is None else lse.data_ptr(),
+                query.shape[0], query.shape[1], k_cache.shape[1], query.shape[2],
+                tables.shape[1], float(scale), torch.get_num_threads(), window or 0,
+                float(softcap or 0.0),
+            ),
+            query,
+        )  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+def run_prefill(
+    kernel: Callable[..., int], query, k_cache, v_cache, block_tables, query_start,
+    context_lens, scale, return_lse, window, softcap,
+):  # fmt: skip
+    """`prefill_attention` by a prefill kernel of csrc/ (`conveyor_paged_prefill_*`)."""
     query, out, lse = _outputs(query, return_lse)
     if query.shape[0]:
         tables = block_tables.to(torch.int32).contiguous()
         starts = torch.tensor(query_start, dtype=torch.int32)
         lens = torch.tensor(context_lens, dtype=torch.int32)
         _check(
-            _library().conveyor_paged_prefill_bf16(
+            kernel(
                 query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                 starts.data_ptr(), lens.data_ptr(), out.data_ptr(),
                 None if lse is None else lse.data_ptr(), len(context_lens), query.shape[1],
@@ -171,3 +193,18 @@ def prefill_attention(
             query,
         )  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+def _outputs(
+    query: torch.Tensor, return_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The query as the kernels read it, and the output (and log-sum-exp) they write."""
+    query = query.contiguous()
+    lse = torch.empty(query.shape[:2], dtype=torch.float32) if return_lse else None
+    return query, torch.empty_like(query), lse
+
+
+def _check(status: int, query: torch.Tensor) -> None:
+    if status != 0:
+        dtype = str(query.dtype).removeprefix("torch.")
+        raise ValueError(f"the {dtype} attention kernel does not cover {tuple(query.shape)}")

@@ -77,11 +77,11 @@ class TorchPagedAttention:
 
 
 class CompiledPagedAttention(TorchPagedAttention):
-    """The torch path with its decode attention compiled (CPU): no gathered K/V copies. In
-    bfloat16 on a CPU with AVX512-BF16 both decode and prefill attention are `native_paged`'s
-    kernel; in float32 on a CPU with AVX2 the decode is `native_paged_f32`'s; elsewhere the
-    decode is the one inductor compiles (`compiled_paged`). Prefill is torch's but for the
-    AVX512-BF16 kernel's."""
+    """The torch path with its attention compiled (CPU): no gathered K/V copies. In bfloat16 on
+    a CPU with AVX512-BF16 the decode, the prefill and the write of the step's K/V are
+    `native_paged`'s kernels; in float32 on a CPU with AVX2 `native_paged_f32`'s (the prefill
+    where it is faster than torch's: `runs_prefill`); elsewhere the decode is the one inductor
+    compiles (`compiled_paged`) and the prefill and write torch's."""
 
     name = "compiled"
 
@@ -93,10 +93,10 @@ class CompiledPagedAttention(TorchPagedAttention):
         self.inductor_decode = compiled_paged.decode_attention
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping):
-        if native_paged.covers(key, k_cache):
-            native_paged.write_kv(key, value, k_cache, v_cache, slot_mapping)
-        else:
-            torch_paged.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        for native in (native_paged, native_paged_f32):
+            if native.covers(key, k_cache):
+                return native.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        torch_paged.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def decode_attention(
         self, query, k_cache, v_cache, block_tables, context_lens, scale, return_lse=False,
@@ -117,11 +117,15 @@ class CompiledPagedAttention(TorchPagedAttention):
         value=None, return_lse=False, window=None, softcap=None,
     ):  # fmt: skip
         if native_paged.covers(query, k_cache):
-            return native_paged.prefill_attention(
-                query, k_cache, v_cache, block_tables, query_start, context_lens, scale,
-                return_lse, window, softcap,
+            native = native_paged
+        elif native_paged_f32.runs_prefill(query, k_cache, context_lens):
+            native = native_paged_f32
+        else:
+            return torch_paged.prefill_attention(
+                query, k_cache, v_cache, block_tables, query_start, context_lens, scale, key,
+                value, return_lse, window, softcap,
             )  # fmt: skip
-        return torch_paged.prefill_attention(
-            query, k_cache, v_cache, block_tables, query_start, context_lens, scale, key, value,
-            return_lse, window, softcap,
+        return native.prefill_attention(
+            query, k_cache, v_cache, block_tables, query_start, context_lens, scale, return_lse,
+            window, softcap,
         )  # fmt: skip

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "kv_slots.h"
 #include "simd_bf16.h"
 
 
@@ -403,21 +404,12 @@ int conveyor_paged_prefill_bf16(const uint16_t* query, const uint16_t* k_cache,
   return 0;
 }
 
-// Writes this step's keys and values into their cache slots: token t's heads go to block
-// slots[t] / 16, offset slots[t] % 16. key/value rows are [kv_heads, head_dim], `key_stride` and
-// `value_stride` elements apart; caches [blocks, kv_heads, 16, head_dim].
+// Writes this step's keys and values into their cache slots (kv_slots.h).
 void conveyor_write_kv_bf16(const uint16_t* key, int64_t key_stride, const uint16_t* value,
                             int64_t value_stride, const int64_t* slots, uint16_t* k_cache,
                             uint16_t* v_cache, int64_t tokens, int64_t kv_heads,
                             int64_t head_dim) {
-  const size_t bytes = static_cast<size_t>(head_dim) * sizeof(uint16_t);
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int64_t block = slots[t] / kBlock, offset = slots[t] % kBlock;
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const int64_t at = ((block * kv_heads + h) * kBlock + offset) * head_dim;
-      std::memcpy(k_cache + at, key + t * key_stride + h * head_dim, bytes);
-      std::memcpy(v_cache + at, value + t * value_stride + h * head_dim, bytes);
-    }
-  }
+  conveyor::write_kv(key, key_stride, value, value_stride, slots, k_cache, v_cache, tokens,
+                     kv_heads, head_dim);
 }
 }

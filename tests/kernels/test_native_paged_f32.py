@@ -1,5 +1,6 @@
-"""The AVX2 float32 decode kernel (`kernels.native_paged_f32`) against the reference on the same
-inputs, and which decode the compiled backend picks in float32."""
+"""The AVX2 float32 attention kernels (`kernels.native_paged_f32`: decode, prefill, the write of
+a step's K/V) against the reference on the same inputs, and which the compiled backend picks
+in float32."""
 
 from __future__ import annotations
 
@@ -59,6 +60,86 @@ def test_decode_honours_a_window_and_a_soft_cap(window, softcap, heads, kv_heads
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
+def prefill_setup(lens, chunks, heads, kv_heads, head_dim, seed, spread=1.0):
+    """Caches holding `lens` tokens of each sequence, of which the last `chunks` are this
+    step's queries; the queries and their starts."""
+    k_cache, v_cache, tables, g = paged_setup(lens, 16, kv_heads, head_dim, seed=seed)
+    starts = [0]
+    for n in chunks:
+        starts.append(starts[-1] + n)
+    query = spread * torch.randn(starts[-1], heads, head_dim, generator=g)
+    return query, k_cache, v_cache, tables, starts
+
+
+PREFILL_SHAPES = [(8, 4, 64), (4, 4, 128), (6, 2, 64), (16, 1, 64), (4, 2, 16), (8, 2, 96),
+                  (8, 4, 256), (3, 3, 32)]  # fmt: skip
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", PREFILL_SHAPES)
+def test_prefill_matches_the_reference(heads, kv_heads, head_dim) -> None:
+    """Chunks with nothing cached before them and chunks after a cached context, of 1 to 120
+    rows: whole tiles of query vectors and partial ones, diagonal blocks partly masked."""
+    lens = [40, 17, 300, 1, 16, 29]  # tokens in the cache after this step's chunk
+    chunks = [40, 5, 120, 1, 16, 13]  # this step's queries of each (the rest was cached)
+    query, k_cache, v_cache, tables, starts = prefill_setup(lens, chunks, heads, kv_heads,
+                                                            head_dim, seed=3)  # fmt: skip
+    assert native_paged_f32.covers(query, k_cache)
+    got, lse = native_paged_f32.prefill_attention(
+        query, k_cache, v_cache, tables, starts, lens, 0.2, return_lse=True
+    )
+    want, want_lse = ref.prefill_attention(
+        query, k_cache, v_cache, tables, starts, lens, 0.2, return_lse=True
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    assert torch.equal(native_paged_f32.prefill_attention(
+        query, k_cache, v_cache, tables, starts, lens, 0.2
+    ), got)  # fmt: skip
+
+
+@pytest.mark.parametrize("window, softcap", [(1, None), (16, None), (37, None), (None, 1.5),
+                                             (20, 0.5), (5000, 30.0)])  # fmt: skip
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 4, 64), (4, 4, 128), (16, 1, 64)])
+def test_prefill_honours_a_window_and_a_soft_cap(window, softcap, heads, kv_heads, head_dim):
+    """Chunks whose rows' windows begin in different blocks of one tile, after cached context
+    and from the first position; caps low enough to flatten the scores."""
+    lens = [40, 17, 300, 1, 16, 29, 90]
+    chunks = [40, 5, 120, 1, 16, 13, 3]
+    query, k_cache, v_cache, tables, starts = prefill_setup(lens, chunks, heads, kv_heads,
+                                                            head_dim, seed=5, spread=4)  # fmt: skip
+    got, lse = native_paged_f32.prefill_attention(
+        query, k_cache, v_cache, tables, starts, lens, 0.2, True, window, softcap
+    )
+    want, want_lse = ref.prefill_attention(
+        query, k_cache, v_cache, tables, starts, lens, 0.2, return_lse=True, window=window,
+        softcap=softcap,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_takes_no_rows() -> None:
+    query, k_cache, v_cache, tables, _ = prefill_setup([5], [5], 8, 4, 64, seed=0)
+    out = native_paged_f32.prefill_attention(query[:0], k_cache, v_cache, tables[:0], [0], [], 1)
+    assert out.shape == (0, 8, 64)
+
+
+def test_write_kv_fills_the_slots_as_the_reference() -> None:
+    """Rows to slots in several blocks, out of order; K/V as views with a row stride (the
+    projections' output split)."""
+    g = torch.Generator().manual_seed(9)
+    k_cache, v_cache = torch.zeros(2, 6, 2, 16, 64)
+    fused = torch.randn(5, 2 * 2 * 64 + 8, generator=g)
+    key = fused[:, : 2 * 64].view(5, 2, 64)
+    value = fused[:, 2 * 64 : 4 * 64].view(5, 2, 64)
+    slots = torch.tensor([17, 3, 80, 4, 95])
+    native_paged_f32.write_kv(key, value, k_cache, v_cache, slots)
+    want_k, want_v = torch.zeros(2, 6, 2, 16, 64)
+    ref.write_kv(key, value, want_k, want_v, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert k_cache.count_nonzero() == 5 * 2 * 64
+
+
 def test_decode_takes_no_rows() -> None:
     query, k_cache, v_cache, tables, context = setup([5], 8, 4, 64)
     out = native_paged_f32.decode_attention(query[:0], k_cache, v_cache, tables[:0], context[:0], 1)
@@ -74,10 +155,28 @@ def test_what_the_kernel_covers() -> None:
     assert not native_paged_f32.covers(torch.zeros(1, 17, 64), torch.zeros(4, 1, 16, 64))  # 17
 
 
-def test_compiled_backend_decodes_float32_through_the_kernel(monkeypatch) -> None:
+def test_the_prefill_kernel_runs_where_it_is_faster() -> None:
+    """Heads of up to 64 always; wider ones up to a step's longest context of
+    MAX_WIDE_PREFILL_CONTEXT, past which torch's fused attention runs them."""
+    longest = native_paged_f32.MAX_WIDE_PREFILL_CONTEXT
+    query, k_cache, _, _, _ = setup([5], 8, 4, 64)
+    assert native_paged_f32.runs_prefill(query, k_cache, [3, 10 * longest])
+    query, k_cache, _, _, _ = setup([5], 8, 4, 128)
+    assert native_paged_f32.runs_prefill(query, k_cache, [3, longest])
+    assert not native_paged_f32.runs_prefill(query, k_cache, [3, longest + 1])
+    assert not native_paged_f32.runs_prefill(query.bfloat16(), k_cache.bfloat16(), [3])
+
+
+def test_compiled_backend_runs_float32_through_the_kernels(monkeypatch) -> None:
     backend = get_attention_backend("compiled", torch.device("cpu"))
     query, k_cache, v_cache, tables, context = setup([3, 40], 8, 4, 64)
     calls = []
+    for name in ("decode_attention", "prefill_attention", "write_kv"):
+        monkeypatch.setattr(native_paged_f32, name, lambda *a, n=name: calls.append(n) or a[0])
+    backend.prefill_attention(query, k_cache, v_cache, tables[:1], [0, 2], [3], 0.1)
+    backend.write_kv(query[:, :4], query[:, :4], k_cache, v_cache, torch.tensor([0, 1]))
+    assert calls == ["prefill_attention", "write_kv"]
+    calls.clear()
     monkeypatch.setattr(native_paged_f32, "decode_attention", lambda *a: calls.append(1) or a[0])
     backend.decode_attention(query, k_cache, v_cache, tables, context, 0.1)
     assert calls == [1]

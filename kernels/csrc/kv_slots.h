@@ -1,0 +1,28 @@
+// Writing a step's keys and values into their cache slots, for the CPU attention kernels of each
+// dtype: token t's heads go to block slots[t] / 16, offset slots[t] % 16.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace conveyor {
+
+// key/value rows are [kv_heads, head_dim], `key_stride` and `value_stride` elements apart;
+// caches [blocks, kv_heads, 16, head_dim]. One copy a row and head, where index_put scatters.
+template <class T>
+void write_kv(const T* key, int64_t key_stride, const T* value, int64_t value_stride,
+              const int64_t* slots, T* k_cache, T* v_cache, int64_t tokens, int64_t kv_heads,
+              int64_t head_dim) {
+  constexpr int64_t kBlock = 16;
+  const size_t bytes = static_cast<size_t>(head_dim) * sizeof(T);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t block = slots[t] / kBlock, offset = slots[t] % kBlock;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t at = ((block * kv_heads + h) * kBlock + offset) * head_dim;
+      std::memcpy(k_cache + at, key + t * key_stride + h * head_dim, bytes);
+      std::memcpy(v_cache + at, value + t * value_stride + h * head_dim, bytes);
+    }
+  }
+}
+
+}  // namespace conveyor
