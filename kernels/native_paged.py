@@ -56,27 +56,31 @@ def takes_shape(
     )
 
 
-# scale, threads, window (0: none), soft cap (0: none)
-LAST_ARGUMENTS = [ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_float]
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot be built or run here."""
     lib = load_avx512_bf16(SOURCE, "bfloat16 decode uses the inductor kernel")
     if lib is not None:
-        fn = lib.conveyor_paged_decode_bf16
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + LAST_ARGUMENTS
-        fn = lib.conveyor_write_kv_bf16
-        fn.restype = None
-        fn.argtypes = (
-            [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-        )
-        fn = lib.conveyor_paged_prefill_bf16
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 5 + LAST_ARGUMENTS
+        declare(lib, "bf16")
     return lib
+
+
+def declare(lib: ctypes.CDLL, suffix: str) -> None:
+    """The signatures of a csrc/ attention library's decode, prefill and K/V write, which every
+    dtype's kernels share (`conveyor_paged_decode_<suffix>`, ...)."""
+    last = [ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_float]
+    # decode: 7 pointers; batch, heads, kv heads, head size, table width; scale, threads,
+    # window (0: none), soft cap (0: none). prefill: 8 pointers; seqs and the same.
+    for name, pointers in (("paged_decode", 7), ("paged_prefill", 8)):
+        fn = getattr(lib, f"conveyor_{name}_{suffix}")
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * 5 + last
+    fn = getattr(lib, f"conveyor_write_kv_{suffix}")
+    fn.restype = None
+    # key, its row stride, value, its row stride; slots, caches; tokens, kv heads, head size
+    fn.argtypes = (
+        [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    )
 
 
 def write_kv(

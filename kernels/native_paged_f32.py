@@ -12,13 +12,13 @@ in one call, 8 query vectors (rows times the query heads of a KV head) a task, w
 cache where some of it was cached before: 4-30x as fast for a step of many short prompts
 (a small model's), 1.6-3.9x for prompts of 64-1,024 tokens at head size 64 (1.0-1.4x after
 1,024 cached); at 128, torch's runs contexts past `MAX_WIDE_PREFILL_CONTEXT` faster, and runs
-them (`runs_prefill`). Both
-cover blocks of 16 tokens, the head sizes of `HEAD_DIMS` (Phi-3's 96 and Gemma's 256 among
-them), up to 16 query heads per KV head, a sliding window and a soft cap on the scores;
-`write_kv` copies the step's keys and values into their slots a row at a time.
+them (`runs_prefill`). Both cover blocks of 16 tokens, the head sizes of `HEAD_DIMS` (Phi-3's
+96 and Gemma's 256 among them), up to 16 query heads per KV head, a sliding window and a soft
+cap on the scores; `write_kv` copies the step's keys and values into their slots a row at a
+time.
 
 Built with the C++ compiler on first use and cached as `native_paged`'s kernel is
-(`kernels.cpu_build`); `covers` says whether it runs a decode here.
+(`kernels.cpu_build`); `covers` says whether its kernels run these shapes here.
 """
 
 from __future__ import annotations
@@ -55,19 +55,7 @@ def _library() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot be built or run here."""
     lib = load_avx2(SOURCE, "float32 attention uses the inductor decode and torch's prefill")
     if lib is not None:
-        fn = lib.conveyor_paged_decode_f32
-        fn.restype = ctypes.c_int
-        # 7 pointers; batch, heads, kv heads, head size, table width; scale, threads, window
-        # (0: none), soft cap (0: none)
-        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + native_paged.LAST_ARGUMENTS
-        fn = lib.conveyor_paged_prefill_f32
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 5 + native_paged.LAST_ARGUMENTS
-        fn = lib.conveyor_write_kv_f32
-        fn.restype = None
-        fn.argtypes = (
-            [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-        )
+        native_paged.declare(lib, "f32")
     return lib
 
 
