@@ -8,11 +8,11 @@ bfloat16 on AMX's tile unit (`csrc/experts_amx.cpp`) or with AVX512-BF16's dot p
 
 float32, on a 2-core AVX2 CPU (AMD EPYC) with 8 experts of 64 a token: a layer in 0.26-0.42x
 the time of torch's grouped products at 16-128 tokens and ~0.5x at 256-4,096, so it runs every
-step. On a CPU with AVX-512 oneDNN's float32 grouped products were measured faster than
-an earlier version of this kernel, and `kernel` offers none. bfloat16, on a 2-core CPU with AMX
-(whose grouped products are oneDNN's, a call per expert and product): 5-8x faster at 1-128
-tokens and ~4x at 4,096. A row's result never depends on the step's other rows (its sums run in
-k order whatever its tile), so batch-invariant mode runs the kernels too.
+step; on a 2-core AMD EPYC with AVX-512 (whose grouped products are oneDNN's AVX-512 ones),
+0.16x, 0.31-0.43x, 0.62x and 0.43-0.47x at 16, 128, 1,024 and 4,096 tokens. bfloat16, on a
+2-core CPU with AMX (whose grouped products are oneDNN's, a call per expert and product): 5-8x
+faster at 1-128 tokens and ~4x at 4,096. A row's result never depends on the step's other
+rows (its sums run in k order whatever its tile), so batch-invariant mode runs the kernels too.
 
 Each kernel reads its own layout of the weights (`layout`), made once at load and read front to
 back: float32 in strips of 16 columns, k-major within a strip (`[E, N / 16, K, 16]`); bfloat16
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from conveyor.kernels.cpu_build import cpu_has_avx512f, load_amx, load_avx2, load_avx512_bf16
+from conveyor.kernels.cpu_build import load_amx, load_avx2, load_avx512_bf16
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +71,9 @@ def kernels(dtype: torch.dtype) -> tuple[tuple[str, Callable[..., None]], ...]:
 
 
 def kernel(dtype: torch.dtype) -> tuple[str, Callable[..., None]] | None:
-    """The fastest of `kernels(dtype)`, or None, also where torch's grouped products are
-    faster: float32 on a CPU with AVX-512, whose oneDNN products use it (a layer of 64 experts
-    at 16 and 128 tokens in 0.7x and 0.9x the kernel's time)."""
+    """The fastest of `kernels(dtype)`, or None."""
     found = kernels(dtype)
-    if not found or (dtype == torch.float32 and cpu_has_avx512f()):
-        return None
-    return found[0]
+    return found[0] if found else None
 
 
 FUNCTIONS = {"avx2": "conveyor_moe_f32", "avx512_bf16": "conveyor_moe_bf16",
