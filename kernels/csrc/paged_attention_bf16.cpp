@@ -37,18 +37,19 @@ constexpr int64_t kBlock = 16;  // tokens per KV block
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
 constexpr int64_t kPrefetchBlocks = 2;  // how far ahead a decode asks for its next blocks
 
-// Lane j of the result is the sum of the 16 lanes of a[j]: a transposing tree of adds, ~3
-// instructions a vector where a horizontal sum of each takes ~9.
-inline __m512 sum_each16(__m512 a[16]) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: partial sums of a[2i] and a[2i+1]
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: partial sums of a[4i .. 4i+3]
-    const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
-    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
+// Lane j of sum_quads(u) is the sum of the 16 lanes of key j's vector, where u[i] =
+// sum_each4(the vectors of keys 4i .. 4i+3): a transposing tree of adds, ~3 instructions a key
+// where a horizontal sum of each takes ~9, folded four keys at a time so that few vectors stay
+// live. sum_each4: per 128-bit lane, lane i the sum of the 4 lanes of a, b, c or d there.
+inline __m512 sum_each4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512d x = _mm512_castps_pd(t0), y = _mm512_castps_pd(t1);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+
+inline __m512 sum_quads(const __m512 u[4]) {
   const __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
                                  _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
   const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
@@ -126,27 +127,40 @@ void decode(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_ca
             _mm_prefetch(reinterpret_cast<const char*>(v_cache + next) + line, _MM_HINT_T0);
           }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        __m512 dots[kBlock];
-        for (int64_t j = 0; j < kBlock; ++j) {
-          __m512 a = _mm512_setzero_ps();
-          if (j < n) {
+      // Q.K for two query heads at a time, four keys at a time: their rows loaded once for
+      // both heads, each four keys' sums folded at once (sum_each4). Every row of the block is
+      // read, past the context too (stale or unwritten rows: whatever they hold lands in its
+      // own key's lane, which the mask drops).
+      for (int64_t g0 = 0; g0 < group; g0 += 2) {
+        const int64_t g1 = std::min<int64_t>(g0 + 2, group);
+        __m512 quads[2][4];
+        for (int64_t quad = 0; quad < 4; ++quad) {
+          __m512bh rows[4][C];
+          for (int64_t r = 0; r < 4; ++r)
             for (int64_t c = 0; c < C; ++c)
-              a = _mm512_dpbf16_ps(a, q[g][c], (__m512bh)_mm512_loadu_si512(k + j * D + c * 32));
+              rows[r][c] = (__m512bh)_mm512_loadu_si512(k + (4 * quad + r) * D + c * 32);
+          for (int64_t g = g0; g < g1; ++g) {
+            __m512 d[4];
+            for (int64_t r = 0; r < 4; ++r) {
+              d[r] = _mm512_setzero_ps();
+              for (int64_t c = 0; c < C; ++c) d[r] = _mm512_dpbf16_ps(d[r], rows[r][c], q[g][c]);
+            }
+            quads[g - g0][quad] = sum_each4(d[0], d[1], d[2], d[3]);
           }
-          dots[j] = a;
         }
-        __m512 scaled = _mm512_mul_ps(sum_each16(dots), vscale);
-        if (softcap > 0.f) scaled = softcap16(scaled, softcap);
-        const __m512 scores = _mm512_mask_mov_ps(ninf, valid, scaled);
-        const float m = std::max(top[g], _mm512_reduce_max_ps(scores));
-        const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m))));
-        const float rescale = std::exp(top[g] - m);  // 0 on the first block (top is -inf)
-        total[g] = total[g] * rescale + _mm512_reduce_add_ps(p);
-        const __m512 r = _mm512_set1_ps(rescale);
-        for (int64_t c = 0; c < V; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], r);
-        _mm512_store_ps(probs[g], p);
-        top[g] = m;
+        for (int64_t g = g0; g < g1; ++g) {
+          __m512 scaled = _mm512_mul_ps(sum_quads(quads[g - g0]), vscale);
+          if (softcap > 0.f) scaled = softcap16(scaled, softcap);
+          const __m512 scores = _mm512_mask_mov_ps(ninf, valid, scaled);
+          const float m = std::max(top[g], _mm512_reduce_max_ps(scores));
+          const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m))));
+          const float rescale = std::exp(top[g] - m);  // 0 on the first block (top is -inf)
+          total[g] = total[g] * rescale + _mm512_reduce_add_ps(p);
+          const __m512 r = _mm512_set1_ps(rescale);
+          for (int64_t c = 0; c < V; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], r);
+          _mm512_store_ps(probs[g], p);
+          top[g] = m;
+        }
       }
       for (int64_t j = skip; j < n; ++j) {
         __m512 row[V];

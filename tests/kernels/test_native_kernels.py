@@ -55,6 +55,22 @@ def test_native_decode_matches_dense(lens, heads, kv_heads, head_dim) -> None:
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 4, 64), (8, 1, 128), (6, 2, 64)])
+def test_native_decode_ignores_what_lies_past_a_context(heads, kv_heads, head_dim) -> None:
+    """The decode reads whole blocks: NaN and infinity in a last block's rows past the context
+    (a pool's stale or unwritten rows) change nothing."""
+    lens = [1, 17, 40, 9]
+    query, k_cache, v_cache, tables, context = setup(lens, heads, kv_heads, head_dim)
+    want = native_paged.decode_attention(query, k_cache, v_cache, tables, context, 0.17)
+    for b, n in enumerate(lens):
+        last = tables[b, (n - 1) // 16]
+        for cache, poison in ((k_cache, float("nan")), (v_cache, float("inf"))):
+            cache[last, :, n % 16 or 16 :] = poison
+    got = native_paged.decode_attention(query, k_cache, v_cache, tables, context, 0.17)
+    assert torch.isfinite(got.float()).all()
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize(
     "heads, kv_heads, head_dim", [(8, 4, 64), (4, 4, 128), (6, 2, 64), (16, 1, 64)]
 )
