@@ -80,6 +80,8 @@ void decode(const float* query, const float* k_cache, const float* v_cache, cons
       const int64_t base = tables[b * table_width + i] * block_stride + kvh * kBlock * D;
       const float* k = k_cache + base;
       const float* v = v_cache + base;
+      // asked for into L2, whose queue holds a block's lines where L1's does not (on an AMD
+      // EPYC K/V came from memory 1.1-1.8x as fast as when asked for into L1)
       for (int64_t ahead = (i == start ? 1 : kPrefetchBlocks); ahead <= kPrefetchBlocks; ++ahead) {
         int64_t next = -1;  // the block `ahead` blocks on, in this task or the next one's
         if (i + ahead < blocks) {
@@ -92,8 +94,8 @@ void decode(const float* query, const float* k_cache, const float* v_cache, cons
         }
         if (next >= 0)
           for (int64_t line = 0; line < kBlock * D * 4; line += 64) {
-            _mm_prefetch(reinterpret_cast<const char*>(k_cache + next) + line, _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(v_cache + next) + line, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(k_cache + next) + line, _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char*>(v_cache + next) + line, _MM_HINT_T1);
           }
       }
       for (int64_t g = 0; g < group; ++g) {
