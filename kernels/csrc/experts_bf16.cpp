@@ -59,23 +59,24 @@ __attribute__((always_inline)) inline void tile(const uint16_t* a, int64_t lda,
   }
 }
 
+// rows [m, end) of the 32 columns at n, in tiles of 12, 8, 4, 2 and 1
 template <bool kFetch>
-void strip(const uint16_t* a, int64_t lda, const uint16_t* b, uint16_t* c, int64_t ldc,
-           int64_t m, int64_t end, int64_t k_dim, int64_t n) {
+void strip_rows(const uint16_t* a, int64_t lda, const uint16_t* b, uint16_t* c, int64_t ldc,
+                int64_t m, int64_t end, int64_t k_dim, int64_t n) {
   if (m + 12 <= end) {  // the first tile reads the strip from memory, the rest from cache
     tile<12, kFetch>(a + m * lda, lda, b, c + m * ldc, ldc, k_dim, n);
     for (m += 12; m + 12 <= end; m += 12)
       tile<12, false>(a + m * lda, lda, b, c + m * ldc, ldc, k_dim, n);
-    strip<false>(a, lda, b, c, ldc, m, end, k_dim, n);
+    strip_rows<false>(a, lda, b, c, ldc, m, end, k_dim, n);
   } else if (m + 8 <= end) {
     tile<8, kFetch>(a + m * lda, lda, b, c + m * ldc, ldc, k_dim, n);
-    strip<false>(a, lda, b, c, ldc, m + 8, end, k_dim, n);
+    strip_rows<false>(a, lda, b, c, ldc, m + 8, end, k_dim, n);
   } else if (m + 4 <= end) {
     tile<4, kFetch>(a + m * lda, lda, b, c + m * ldc, ldc, k_dim, n);
-    strip<false>(a, lda, b, c, ldc, m + 4, end, k_dim, n);
+    strip_rows<false>(a, lda, b, c, ldc, m + 4, end, k_dim, n);
   } else if (m + 2 <= end) {
     tile<2, kFetch>(a + m * lda, lda, b, c + m * ldc, ldc, k_dim, n);
-    strip<false>(a, lda, b, c, ldc, m + 2, end, k_dim, n);
+    strip_rows<false>(a, lda, b, c, ldc, m + 2, end, k_dim, n);
   } else if (m < end) {
     tile<1, kFetch>(a + m * lda, lda, b, c + m * ldc, ldc, k_dim, n);
   }
@@ -95,9 +96,9 @@ void product(const uint16_t* a, int64_t lda, const uint16_t* b, uint16_t* c, int
     const int64_t end = rows - m0 < kBlockRows ? rows : m0 + kBlockRows;
     for (int64_t n = n0; n < n1; n += 32) {
       if (rows <= kBlockRows) {  // few rows: the strips' reads from memory are what is slow
-        strip<true>(a, lda, b, c, ldc, m0, end, k_dim, n);
+        strip_rows<true>(a, lda, b, c, ldc, m0, end, k_dim, n);
       } else {
-        strip<false>(a, lda, b, c, ldc, m0, end, k_dim, n);
+        strip_rows<false>(a, lda, b, c, ldc, m0, end, k_dim, n);
       }
     }
   }

@@ -54,6 +54,7 @@ __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, con
   }
 }
 
+// rows [m, end) of the strip's 16 columns, in tiles of 6, 4, 2 and 1
 template <bool kFetch>
 void strip_rows(const float* a, int64_t lda, const float* strip, float* c, int64_t ldc, int64_t m,
                 int64_t end, int64_t k_dim, int64_t n) {
