@@ -56,10 +56,6 @@ def cpu_has_amx_bf16() -> bool:
     return {"amx_bf16", "amx_tile"} <= cpu_flags() and cpu_has_avx512_bf16()
 
 
-def cpu_has_avx512f() -> bool:
-    return "avx512f" in cpu_flags()
-
-
 def cpu_has_avx2() -> bool:
     return {"avx2", "fma"} <= cpu_flags()
 
