@@ -39,6 +39,61 @@ inline __m256 sum_each8(const __m256 a[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// The largest of a's 8 lanes.
+inline float max_of(__m256 a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+// s[h][j] = scale * q[h] . k[j] for HP query heads (1 or 2) and a block's 16 keys, each K row
+// loaded once for the HP heads: 8 / HP keys at a time, 8 dot products in flight, reduced
+// together (each sum in the same order whatever its head or key).
+template <int64_t D, int HP>
+inline void block_scores(const float (*q)[D], const float* k, float scale, float (*s)[kBlock]) {
+  constexpr int64_t V = D / 8, kKeys = 8 / HP;
+  for (int64_t j0 = 0; j0 < kBlock; j0 += kKeys) {
+    __m256 dots[8];
+    for (int i = 0; i < 8; ++i) dots[i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < V; ++c) {
+      __m256 qv[HP];
+      for (int h = 0; h < HP; ++h) qv[h] = _mm256_load_ps(q[h] + c * 8);
+      for (int64_t j = 0; j < kKeys; ++j) {
+        const __m256 kv = _mm256_loadu_ps(k + (j0 + j) * D + c * 8);
+        for (int h = 0; h < HP; ++h)
+          dots[h * kKeys + j] = _mm256_fmadd_ps(qv[h], kv, dots[h * kKeys + j]);
+      }
+    }
+    const __m256 sums = _mm256_mul_ps(sum_each8(dots), _mm256_set1_ps(scale));
+    if constexpr (HP == 1) {
+      _mm256_store_ps(s[0] + j0, sums);
+    } else {
+      _mm_storeu_ps(s[0] + j0, _mm256_castps256_ps128(sums));
+      _mm_storeu_ps(s[1] + j0, _mm256_extractf128_ps(sums, 1));
+    }
+  }
+}
+
+// acc = acc * rescale + sum over keys j in [skip, n) of probs[j] * v[j] for one query head: a
+// whole row (up to 8 vectors) at a time with its sums in registers, each element summed in key
+// order as a key at a time would sum it.
+template <int64_t D>
+inline void add_values(const float* v, const float* probs, float rescale, int64_t skip, int64_t n,
+                       float* acc) {
+  constexpr int64_t V = D / 8, kChunk = V % 8 == 0 ? 8 : V % 4 == 0 ? 4 : V;
+  for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
+    __m256 sum[kChunk];
+    for (int64_t c = 0; c < kChunk; ++c)
+      sum[c] = _mm256_mul_ps(_mm256_load_ps(acc + (c0 + c) * 8), _mm256_set1_ps(rescale));
+    for (int64_t j = skip; j < n; ++j) {
+      const __m256 p = _mm256_set1_ps(probs[j]);
+      for (int64_t c = 0; c < kChunk; ++c)
+        sum[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + j * D + (c0 + c) * 8), sum[c]);
+    }
+    for (int64_t c = 0; c < kChunk; ++c) _mm256_store_ps(acc + (c0 + c) * 8, sum[c]);
+  }
+}
+
 // G: the query heads per KV head when it is a compile-time constant (the loops over them
 // unrolled), or 0 for any count.
 template <int64_t D, int64_t G>
@@ -46,11 +101,11 @@ void decode(const float* query, const float* k_cache, const float* v_cache, cons
             const int32_t* context_lens, float* out, float* lse, int64_t batch, int64_t heads,
             int64_t kv_heads, int64_t table_width, float scale, int threads, int64_t window,
             float softcap) {
-  constexpr int64_t V = D / 8;  // 8 floats per vector
   const int64_t group = G > 0 ? G : heads / kv_heads;
   const int64_t block_stride = kv_heads * kBlock * D;
   const float ninf = -std::numeric_limits<float>::infinity();
   const int64_t tasks = batch * kv_heads;
+  const __m256 lanes = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
   const auto first_key = [window](int64_t context) {
     return window > 0 ? std::max<int64_t>(context - window, 0) : int64_t{0};
   };
@@ -98,56 +153,39 @@ void decode(const float* query, const float* k_cache, const float* v_cache, cons
             _mm_prefetch(reinterpret_cast<const char*>(v_cache + next) + line, _MM_HINT_T1);
           }
       }
+      alignas(32) float scores[kMaxGroup][kBlock];
+      for (int64_t g = 0; g < group; g += 2) {  // query heads in pairs, K read once a pair
+        if (g + 1 < group) {
+          block_scores<D, 2>(q + g, k, scale, scores + g);
+        } else {
+          block_scores<D, 1>(q + g, k, scale, scores + g);
+        }
+      }
+      // the keys this query sees: [skip, n) of the block (rows past n may hold anything)
+      const __m256 lo_seen = _mm256_and_ps(_mm256_cmp_ps(lanes, _mm256_set1_ps(skip), _CMP_GE_OQ),
+                                           _mm256_cmp_ps(lanes, _mm256_set1_ps(n), _CMP_LT_OQ));
+      const __m256 hi_lanes = _mm256_add_ps(lanes, _mm256_set1_ps(8.f));
+      const __m256 hi_seen = _mm256_and_ps(
+          _mm256_cmp_ps(hi_lanes, _mm256_set1_ps(skip), _CMP_GE_OQ),
+          _mm256_cmp_ps(hi_lanes, _mm256_set1_ps(n), _CMP_LT_OQ));
+      alignas(32) float rescale[kMaxGroup];
       for (int64_t g = 0; g < group; ++g) {
-        alignas(32) float scores[kBlock];
-        for (int64_t half = 0; half < kBlock; half += 8) {
-          __m256 dots[8];
-          for (int64_t j = 0; j < 8; ++j) {
-            __m256 a = _mm256_setzero_ps();
-            if (half + j < n) {
-              const float* row = k + (half + j) * D;
-              for (int64_t c = 0; c < V; ++c)
-                a = _mm256_fmadd_ps(_mm256_load_ps(q[g] + c * 8), _mm256_loadu_ps(row + c * 8), a);
-            }
-            dots[j] = a;
-          }
-          _mm256_store_ps(scores + half, _mm256_mul_ps(sum_each8(dots), _mm256_set1_ps(scale)));
-        }
-        float m = top[g];
-        for (int64_t j = 0; j < kBlock; ++j) {
-          if (j < skip || j >= n) {
-            scores[j] = ninf;
-            continue;
-          }
-          if (softcap > 0.f) scores[j] = softcap * std::tanh(scores[j] / softcap);
-          m = std::max(m, scores[j]);
-        }
+        float* s = scores[g];
+        if (softcap > 0.f)
+          for (int64_t j = skip; j < n; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
+        const __m256 lo = _mm256_blendv_ps(_mm256_set1_ps(ninf), _mm256_load_ps(s), lo_seen);
+        const __m256 hi = _mm256_blendv_ps(_mm256_set1_ps(ninf), _mm256_load_ps(s + 8), hi_seen);
+        const float m = std::max(top[g], max_of(_mm256_max_ps(lo, hi)));
+        const __m256 mv = _mm256_set1_ps(m);
+        _mm256_store_ps(probs[g], _mm256_and_ps(exp8(_mm256_sub_ps(lo, mv)), lo_seen));
+        _mm256_store_ps(probs[g] + 8, _mm256_and_ps(exp8(_mm256_sub_ps(hi, mv)), hi_seen));
         float sum = 0.f;
-        for (int64_t half = 0; half < kBlock; half += 8) {
-          const __m256 s = _mm256_sub_ps(_mm256_load_ps(scores + half), _mm256_set1_ps(m));
-          _mm256_store_ps(probs[g] + half, exp8(s));
-        }
-        for (int64_t j = 0; j < kBlock; ++j) {
-          if (j < skip || j >= n) probs[g][j] = 0.f;
-          sum += probs[g][j];
-        }
-        const float rescale = std::exp(top[g] - m);  // 0 on the first block (top is -inf)
-        total[g] = total[g] * rescale + sum;
-        const __m256 r = _mm256_set1_ps(rescale);
-        for (int64_t c = 0; c < V; ++c)
-          _mm256_store_ps(acc[g] + c * 8, _mm256_mul_ps(_mm256_load_ps(acc[g] + c * 8), r));
+        for (int64_t j = 0; j < kBlock; ++j) sum += probs[g][j];
+        rescale[g] = std::exp(top[g] - m);  // 0 on the first block (top is -inf)
+        total[g] = total[g] * rescale[g] + sum;
         top[g] = m;
       }
-      for (int64_t j = skip; j < n; ++j) {
-        __m256 row[V];
-        for (int64_t c = 0; c < V; ++c) row[c] = _mm256_loadu_ps(v + j * D + c * 8);
-        for (int64_t g = 0; g < group; ++g) {
-          const __m256 pj = _mm256_set1_ps(probs[g][j]);
-          for (int64_t c = 0; c < V; ++c)
-            _mm256_store_ps(acc[g] + c * 8,
-                            _mm256_fmadd_ps(pj, row[c], _mm256_load_ps(acc[g] + c * 8)));
-        }
-      }
+      for (int64_t g = 0; g < group; ++g) add_values<D>(v, probs[g], rescale[g], skip, n, acc[g]);
     }
     for (int64_t g = 0; g < group; ++g) {
       const int64_t h = kvh * group + g;

@@ -42,6 +42,29 @@ def test_decode_matches_the_reference(lens, heads, kv_heads, head_dim) -> None:
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window, softcap", [(None, None), (5, 4.0)])
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim", [(8, 4, 64), (8, 1, 128), (6, 2, 64), (4, 4, 16), (8, 2, 96)]
+)
+def test_decode_ignores_what_lies_past_a_context(heads, kv_heads, head_dim, window, softcap):
+    """The decode's scores read whole blocks: NaN and infinity in a last block's rows past the
+    context (a pool's stale or unwritten rows) change nothing."""
+    lens = [1, 17, 40, 9, 16]
+    query, k_cache, v_cache, tables, context = setup(lens, heads, kv_heads, head_dim, seed=4)
+    want = native_paged_f32.decode_attention(
+        query, k_cache, v_cache, tables, context, 0.2, False, window, softcap
+    )
+    for b, n in enumerate(lens):
+        last = tables[b, (n - 1) // 16]
+        for cache, poison in ((k_cache, float("nan")), (v_cache, float("inf"))):
+            cache[last, :, n % 16 or 16 :] = poison
+    got = native_paged_f32.decode_attention(
+        query, k_cache, v_cache, tables, context, 0.2, False, window, softcap
+    )
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("window, softcap", [(1, None), (20, None), (None, 5.0), (7, 3.0)])
 @pytest.mark.parametrize(
     "heads, kv_heads, head_dim", [(8, 4, 64), (4, 4, 128), (6, 2, 64), (4, 2, 16), (8, 4, 256)]
