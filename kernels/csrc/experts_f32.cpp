@@ -29,15 +29,17 @@ constexpr int64_t kAhead = 2048;  // floats of b a first pass over a strip asks 
 
 // c[r, n:n+16] = sum_k a[r, k] * strip[k, 0:16] for R rows r: 2R accumulators fed by two
 // vectors of the strip and a broadcast of a per row and k (unrolled, so the accumulators stay in
-// registers).
+// registers). kFetch: asks for the strip 8 KB ahead; `next` (if any): asks for its k-th line.
 template <int R, bool kFetch>
 __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, const float* strip,
-                                                float* c, int64_t ldc, int64_t k_dim, int64_t n) {
+                                                float* c, int64_t ldc, int64_t k_dim, int64_t n,
+                                                const float* next) {
   __m256 acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < k_dim; ++k) {
     if (kFetch) _mm_prefetch(reinterpret_cast<const char*>(strip + k * 16 + kAhead), _MM_HINT_T1);
+    if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + k * 16), _MM_HINT_T1);
     const __m256 b0 = _mm256_loadu_ps(strip + k * 16);
     const __m256 b1 = _mm256_loadu_ps(strip + k * 16 + 8);
 #pragma GCC unroll 8
@@ -54,24 +56,27 @@ __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, con
   }
 }
 
-// rows [m, end) of the strip's 16 columns, in tiles of 6, 4, 2 and 1
+// rows [m, end) of the strip's 16 columns, in tiles of 6, 4, 2 and 1. With kFetch the first
+// tile, which reads the strip from memory, asks for it ahead, and the second, which reads it
+// from cache, asks for `next` (the next strip, or none), a line a k, into L2.
 template <bool kFetch>
 void strip_rows(const float* a, int64_t lda, const float* strip, float* c, int64_t ldc, int64_t m,
-                int64_t end, int64_t k_dim, int64_t n) {
-  if (m + 6 <= end) {  // the first tile reads the strip from memory, the rest from cache
-    tile<6, kFetch>(a + m * lda, lda, strip, c + m * ldc, ldc, k_dim, n);
-    for (m += 6; m + 6 <= end; m += 6)
-      tile<6, false>(a + m * lda, lda, strip, c + m * ldc, ldc, k_dim, n);
-    strip_rows<false>(a, lda, strip, c, ldc, m, end, k_dim, n);
-  } else if (m + 4 <= end) {
-    tile<4, kFetch>(a + m * lda, lda, strip, c + m * ldc, ldc, k_dim, n);
-    strip_rows<false>(a, lda, strip, c, ldc, m + 4, end, k_dim, n);
-  } else if (m + 2 <= end) {
-    tile<2, kFetch>(a + m * lda, lda, strip, c + m * ldc, ldc, k_dim, n);
-    strip_rows<false>(a, lda, strip, c, ldc, m + 2, end, k_dim, n);
-  } else if (m < end) {
-    tile<1, kFetch>(a + m * lda, lda, strip, c + m * ldc, ldc, k_dim, n);
+                int64_t end, int64_t k_dim, int64_t n, const float* next) {
+  if (m >= end) return;
+  const float* ask = kFetch ? nullptr : next;
+  const float* am = a + m * lda;
+  float* cm = c + m * ldc;
+  const int64_t r = end - m >= 6 ? 6 : end - m >= 4 ? 4 : end - m >= 2 ? 2 : 1;
+  if (r == 6) {
+    tile<6, kFetch>(am, lda, strip, cm, ldc, k_dim, n, ask);
+  } else if (r == 4) {
+    tile<4, kFetch>(am, lda, strip, cm, ldc, k_dim, n, ask);
+  } else if (r == 2) {
+    tile<2, kFetch>(am, lda, strip, cm, ldc, k_dim, n, ask);
+  } else {
+    tile<1, kFetch>(am, lda, strip, cm, ldc, k_dim, n, ask);
   }
+  strip_rows<false>(a, lda, strip, c, ldc, m + r, end, k_dim, n, kFetch ? next : nullptr);
 }
 
 // c[m, n] = sum_k a[m, k] * b[k, n] for m < rows and n in [n0, n1); a rows `lda` apart, b in
@@ -79,7 +84,7 @@ void strip_rows(const float* a, int64_t lda, const float* strip, float* c, int64
 // In blocks of rows whose a stays in the core's cache while every strip of b passes over it;
 // rows in tiles of 6 (12 accumulators: the most that leave registers for b and a broadcast),
 // the rest in tiles of 4, 2 and 1. With rows for one block only (decode steps), the first pass
-// over each strip asks for the weights 8 KB ahead into L2.
+// over each strip asks for the weights 8 KB ahead into L2, and the second for the next strip.
 void product(const float* a, int64_t lda, const float* b, float* c, int64_t ldc, int64_t rows,
              int64_t k_dim, int64_t n0, int64_t n1) {
   for (int64_t m0 = 0; m0 < rows; m0 += kBlockRows) {
@@ -87,9 +92,10 @@ void product(const float* a, int64_t lda, const float* b, float* c, int64_t ldc,
     for (int64_t n = n0; n < n1; n += 16) {
       const float* strip = b + n * k_dim;  // strip n / 16
       if (rows <= kBlockRows) {  // few rows: the strips' reads from memory are what is slow
-        strip_rows<true>(a, lda, strip, c, ldc, m0, end, k_dim, n);
+        const float* next = n + 16 < n1 ? strip + 16 * k_dim : nullptr;
+        strip_rows<true>(a, lda, strip, c, ldc, m0, end, k_dim, n, next);
       } else {
-        strip_rows<false>(a, lda, strip, c, ldc, m0, end, k_dim, n);
+        strip_rows<false>(a, lda, strip, c, ldc, m0, end, k_dim, n, nullptr);
       }
     }
   }
