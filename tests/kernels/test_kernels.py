@@ -22,6 +22,15 @@ def paged_setup(lens, block_size, kv_heads, head_dim, seed=0, dtype=torch.float3
     return k_cache, v_cache, block_tables, g
 
 
+def poison_past_contexts(k_cache, v_cache, tables, lens, block_size=16) -> None:
+    """NaN in K and infinity in V in each sequence's last block past its context (a pool's
+    stale or unwritten rows), which no kernel may let into its results."""
+    for b, n in enumerate(lens):
+        last = tables[b, (n - 1) // block_size]
+        for cache, poison in ((k_cache, float("nan")), (v_cache, float("inf"))):
+            cache[last, :, n % block_size or block_size :] = poison
+
+
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("group_bytes", [256, 64 << 10, 4 << 20])

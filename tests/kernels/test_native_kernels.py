@@ -9,7 +9,7 @@ import torch
 
 from conveyor.kernels import cpu_build, get_attention_backend, native_paged
 from conveyor.kernels import torch_paged as ref
-from tests.kernels.test_kernels import paged_setup
+from tests.kernels.test_kernels import paged_setup, poison_past_contexts
 
 pytestmark = pytest.mark.skipif(
     not cpu_build.cpu_has_avx512_bf16(), reason="this CPU has no AVX512-BF16"
@@ -62,10 +62,7 @@ def test_native_decode_ignores_what_lies_past_a_context(heads, kv_heads, head_di
     lens = [1, 17, 40, 9]
     query, k_cache, v_cache, tables, context = setup(lens, heads, kv_heads, head_dim)
     want = native_paged.decode_attention(query, k_cache, v_cache, tables, context, 0.17)
-    for b, n in enumerate(lens):
-        last = tables[b, (n - 1) // 16]
-        for cache, poison in ((k_cache, float("nan")), (v_cache, float("inf"))):
-            cache[last, :, n % 16 or 16 :] = poison
+    poison_past_contexts(k_cache, v_cache, tables, lens)
     got = native_paged.decode_attention(query, k_cache, v_cache, tables, context, 0.17)
     assert torch.isfinite(got.float()).all()
     assert torch.equal(got, want)

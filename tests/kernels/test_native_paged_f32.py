@@ -9,7 +9,7 @@ import torch
 
 from conveyor.kernels import cpu_build, get_attention_backend, native_paged_f32
 from conveyor.kernels import torch_paged as ref
-from tests.kernels.test_kernels import paged_setup
+from tests.kernels.test_kernels import paged_setup, poison_past_contexts
 
 pytestmark = pytest.mark.skipif(not cpu_build.cpu_has_avx2(), reason="this CPU has no AVX2")
 
@@ -54,10 +54,7 @@ def test_decode_ignores_what_lies_past_a_context(heads, kv_heads, head_dim, wind
     want = native_paged_f32.decode_attention(
         query, k_cache, v_cache, tables, context, 0.2, False, window, softcap
     )
-    for b, n in enumerate(lens):
-        last = tables[b, (n - 1) // 16]
-        for cache, poison in ((k_cache, float("nan")), (v_cache, float("inf"))):
-            cache[last, :, n % 16 or 16 :] = poison
+    poison_past_contexts(k_cache, v_cache, tables, lens)
     got = native_paged_f32.decode_attention(
         query, k_cache, v_cache, tables, context, 0.2, False, window, softcap
     )
