@@ -82,12 +82,18 @@ void decode(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_ca
   const auto first_key = [window](int64_t context) {
     return window > 0 ? std::max<int64_t>(context - window, 0) : int64_t{0};
   };
-  // Tasks dealt round-robin: a thread knows its next task, and asks for that task's first blocks
-  // while it finishes this one, so no task starts on a trip to memory
-#pragma omp parallel for schedule(static, 1) num_threads(threads)
+  // Tasks dealt round-robin in runs of `run`: a thread knows its next task, and asks for that
+  // task's first blocks while it finishes this one, so no task starts on a trip to memory. With
+  // enough sequences to share out, a run is a whole sequence's KV heads: one thread then reads
+  // the K/V heads of a block (side by side in memory) one after another, and the CPU's own
+  // prefetcher fetches the neighbours of what it reads (on an Intel Xeon with AMX, 1.2-1.3x a step
+  // at 96 sequences to a run of one task).
+  const int64_t run = batch >= 8 * threads ? kv_heads : 1;
+#pragma omp parallel for schedule(static, run) num_threads(threads)
   for (int64_t task = 0; task < tasks; ++task) {
     const int64_t b = task / kv_heads, kvh = task % kv_heads;
-    const int64_t next_task = task + omp_get_num_threads();
+    const int64_t next_task =
+        (task + 1) % run ? task + 1 : task + 1 + (omp_get_num_threads() - 1) * run;
     const int64_t context = context_lens[b];
     __m512bh q[kMaxGroup][C];
     __m512 acc[kMaxGroup][V];

@@ -109,12 +109,15 @@ void decode(const float* query, const float* k_cache, const float* v_cache, cons
   const auto first_key = [window](int64_t context) {
     return window > 0 ? std::max<int64_t>(context - window, 0) : int64_t{0};
   };
-  // Tasks dealt round-robin: a thread knows its next task, and asks for that task's first blocks
-  // while it finishes this one
-#pragma omp parallel for schedule(static, 1) num_threads(threads)
+  // Tasks dealt round-robin in runs of `run` (a sequence's KV heads where there are enough
+  // sequences to share out), as in the bfloat16 decode: a thread knows its next task, and asks
+  // for that task's first blocks while it finishes this one
+  const int64_t run = batch >= 8 * threads ? kv_heads : 1;
+#pragma omp parallel for schedule(static, run) num_threads(threads)
   for (int64_t task = 0; task < tasks; ++task) {
     const int64_t b = task / kv_heads, kvh = task % kv_heads;
-    const int64_t next_task = task + omp_get_num_threads();
+    const int64_t next_task =
+        (task + 1) % run ? task + 1 : task + 1 + (omp_get_num_threads() - 1) * run;
     const int64_t context = context_lens[b];
     alignas(32) float q[kMaxGroup][D];
     alignas(32) float acc[kMaxGroup][D];

@@ -31,6 +31,19 @@ def poison_past_contexts(k_cache, v_cache, tables, lens, block_size=16) -> None:
             cache[last, :, n % block_size or block_size :] = poison
 
 
+def on_thread_counts(run, counts=(1, 2, 3)) -> dict:
+    """`run()`'s result with torch's thread count set to each of `counts` (a kernel's threads
+    are torch's), keyed by the count; torch's own count restored after."""
+    threads, results = torch.get_num_threads(), {}
+    try:
+        for n in counts:
+            torch.set_num_threads(n)
+            results[n] = run()
+    finally:
+        torch.set_num_threads(threads)
+    return results
+
+
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("group_bytes", [256, 64 << 10, 4 << 20])

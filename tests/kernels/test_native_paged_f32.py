@@ -9,7 +9,7 @@ import torch
 
 from conveyor.kernels import cpu_build, get_attention_backend, native_paged_f32
 from conveyor.kernels import torch_paged as ref
-from tests.kernels.test_kernels import paged_setup, poison_past_contexts
+from tests.kernels.test_kernels import on_thread_counts, paged_setup, poison_past_contexts
 
 pytestmark = pytest.mark.skipif(not cpu_build.cpu_has_avx2(), reason="this CPU has no AVX2")
 
@@ -40,6 +40,25 @@ def test_decode_matches_the_reference(lens, heads, kv_heads, head_dim) -> None:
     )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 4, 64), (16, 8, 128), (8, 1, 64)])
+def test_decode_of_many_sequences_is_the_same_on_any_number_of_threads(
+    heads, kv_heads, head_dim
+) -> None:
+    """With enough sequences a thread takes all of one sequence's KV heads in a row: every
+    row's result is the reference's, and the same bit for bit however many threads share them."""
+    lens = [1 + (37 * i) % 230 for i in range(40)]
+    query, k_cache, v_cache, tables, context = setup(lens, heads, kv_heads, head_dim, seed=5)
+    want = ref.decode_attention(query, k_cache, v_cache, tables, context, 0.17)
+    got = on_thread_counts(
+        lambda: native_paged_f32.decode_attention(
+            query, k_cache, v_cache, tables, context, 0.17, return_lse=True
+        )
+    )
+    torch.testing.assert_close(got[1][0], want, rtol=1e-5, atol=1e-5)
+    for n in (2, 3):
+        assert torch.equal(got[n][0], got[1][0]) and torch.equal(got[n][1], got[1][1])
 
 
 @pytest.mark.parametrize("window, softcap", [(None, None), (5, 4.0)])
