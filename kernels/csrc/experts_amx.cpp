@@ -12,16 +12,12 @@
 // 32 columns sums its k in steps of 32 into four float32 tiles; the rows' results do not depend
 // on the other rows of the step. Results are rounded to bfloat16 where transformers' grouped
 // products and eager activation round them, as in experts_bf16.cpp.
-//
-// Linux lends a process the tile registers only once it asks (`conveyor_amx_ready`); each
-// thread loads its tile configuration before its first tile instruction and releases it after.
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
 
+#include "amx.h"
 #include "moe_bf16.h"
 #include "simd_bf16.h"
 
@@ -29,27 +25,6 @@ namespace {
 
 using conveyor::kTileRows;
 using conveyor::store16;
-constexpr int64_t kArchReqXcompPerm = 0x1023;
-constexpr int64_t kXfeatureXtiledata = 18;
-
-struct TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// tiles 0-3: the float32 sums of a 32 x 32 block; 4, 5: two tiles of 16 rows of a; 6, 7: two of
-// b, 16 columns each; all 16 rows of 64 bytes
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = kTileRows;
-    config.bytes_per_row[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
 
 // A tile load that misses the cache holds up the products after it; a decode step reads every
 // expert's weights once from memory, so each k step asks for the strip's bytes two k steps on
@@ -59,6 +34,9 @@ inline void prefetch_ahead(const uint16_t* b) {
   for (int i = 0; i < 2048; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
 }
 
+// tiles 0-3: the float32 sums of a 32 x 32 block; 4, 5: two tiles of 16 rows of a; 6, 7: two of
+// b, 16 columns each (amx.h's configuration)
+//
 // c[m, n] = round(sum_k a[m, k] * b[k, n]) for m < rows and n in [n0, n1); a [padded, k_dim]
 // rows `lda` apart with `padded` a multiple of 16 (rows past `rows` read, their sums dropped);
 // b in strips of k pairs [n / 32, k_dim / 2, 32, 2]; c rows `ldc` apart; k_dim, n0 and n1
@@ -103,7 +81,7 @@ void product(const uint16_t* a, int64_t lda, const uint16_t* b, uint16_t* c, int
 
 // moe_routing.h's Kernel
 struct Tiles : conveyor::Bf16Elementwise {
-  void begin() { configure_tiles(); }
+  void begin() { conveyor::configure_tiles(); }
   void end() { _tile_release(); }
   void product(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t /*n_dim*/, uint16_t* c,
                int64_t ldc, int64_t rows, int64_t padded, int64_t k_dim, int64_t n0,
@@ -117,9 +95,7 @@ struct Tiles : conveyor::Bf16Elementwise {
 extern "C" {
 
 // Whether this process may use the tile registers (it asks Linux for them once: 1 if granted).
-int conveyor_amx_ready() {
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0 ? 1 : 0;
-}
+int conveyor_amx_ready() { return conveyor::amx_permitted() ? 1 : 0; }
 
 // moe_routing.h's routed_experts on the tile unit; hidden and inter multiples of 32.
 void conveyor_moe_amx(const uint16_t* x, const int64_t* top_index, const void* weights,

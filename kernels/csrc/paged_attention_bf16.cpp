@@ -21,17 +21,15 @@
 #include <vector>
 
 #include "kv_slots.h"
+#include "prefill_tile.h"
 #include "simd_bf16.h"
-
-
-
-
 
 namespace {
 
 using conveyor::exp16;
 using conveyor::load16;
 using conveyor::softcap16;
+using conveyor::transpose16;
 
 constexpr int64_t kBlock = 16;  // tokens per KV block
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
@@ -191,34 +189,7 @@ void decode(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_ca
 }
 
 
-// A 16x16 transpose of 32-bit lanes: row j of `in` becomes lane j of every output vector.
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
-    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
-    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
-  }
-}
-
-constexpr int64_t kTile = 16;  // query vectors (rows x heads of one KV head) computed together
+constexpr int64_t kTile = conveyor::kPrefillTile;
 
 // Prefill: each chunk's query rows attend causally to their sequence's cache, written already
 // for this step. Work is split over (sequence, KV head, tile of rows); a tile holds up to 16
@@ -235,48 +206,27 @@ void prefill(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_c
   const int64_t group = heads / kv_heads;
   const int64_t rows_per_tile = std::max<int64_t>(1, kTile / group);
   const int64_t block_stride = kv_heads * kBlock * D;
-  std::vector<std::pair<int32_t, int32_t>> tiles;  // (sequence, first row of the chunk)
-  for (int64_t s = 0; s < seqs; ++s)
-    for (int64_t r = 0; r < query_start[s + 1] - query_start[s]; r += rows_per_tile)
-      tiles.emplace_back(static_cast<int32_t>(s), static_cast<int32_t>(r));
+  const auto tiles = conveyor::prefill_tiles(query_start, seqs, rows_per_tile);
   const int64_t tasks = static_cast<int64_t>(tiles.size()) * kv_heads;
+  const __m512 vscale = _mm512_set1_ps(scale);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t task = 0; task < tasks; ++task) {
-    const int64_t s = tiles[task / kv_heads].first, r0 = tiles[task / kv_heads].second;
-    const int64_t kvh = task % kv_heads;
-    const int64_t n = query_start[s + 1] - query_start[s];
-    const int64_t first = context_lens[s] - n;  // cache position of the chunk's first query
-    const int64_t rows = std::min(rows_per_tile, n - r0);
-    const int64_t count = rows * group;  // query vectors in this tile, <= 16
+    const conveyor::PrefillTile tile(tiles[task / kv_heads], task % kv_heads, group, rows_per_tile,
+                                     query_start, context_lens, window);
+    const int64_t s = tile.s, kvh = tile.kvh, count = tile.count;
     const int32_t* qdw[kTile];
-    int64_t pos[kTile];
-    alignas(64) float acc[kTile][D];
+    alignas(64) float acc[kTile][D] = {};
     alignas(64) float probs[kBlock][kTile];  // probs[j][t]: key j's weight for query t
     alignas(64) float rescale[kTile];
-    alignas(64) int32_t positions[kTile];
     const uint32_t zero[P] = {};
-    for (int64_t t = 0; t < kTile; ++t) {
-      const int64_t row = r0 + t / group, h = kvh * group + t % group;
-      const bool real = t < count;
-      qdw[t] = real ? reinterpret_cast<const int32_t*>(
-                          query + ((query_start[s] + row) * heads + h) * D)
-                    : reinterpret_cast<const int32_t*>(zero);
-      pos[t] = real ? first + row : -1;
-      positions[t] = static_cast<int32_t>(pos[t]);
-      for (int64_t d = 0; d < D; ++d) acc[t][d] = 0.f;
-    }
+    for (int64_t t = 0; t < kTile; ++t)
+      qdw[t] = t < count ? reinterpret_cast<const int32_t*>(
+                               query + (tile.row(query_start, t) * heads + tile.head(t)) * D)
+                         : reinterpret_cast<const int32_t*>(zero);
     // the softmax's running max and sum, lane t for query t
     __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     __m512 total = _mm512_setzero_ps();
-    const __m512i position = _mm512_load_si512(positions);
-    const int64_t last = first + r0 + rows - 1;  // the tile's last position
-    const int64_t blocks = last / kBlock + 1;
-    // lane t: the first position query t sees (its window's), and from which block the tile reads
-    const __m512i from = _mm512_sub_epi32(position, _mm512_set1_epi32(static_cast<int32_t>(window - 1)));
-    const int64_t start = window > 0 ? std::max<int64_t>(first + r0 - window + 1, 0) / kBlock : 0;
-    const __m512 vscale = _mm512_set1_ps(scale);
-    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t i = start; i < blocks; ++i) {
+    for (int64_t i = tile.start; i < tile.blocks; ++i) {
       const int64_t base = tables[s * table_width + i] * block_stride + kvh * kBlock * D;
       const uint16_t* k = k_cache + base;
       const uint16_t* v = v_cache + base;
@@ -305,39 +255,17 @@ void prefill(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_c
       __m512i keys[kBlock];
       for (int64_t t = 0; t < kTile; ++t) keys[t] = _mm512_castps_si512(scores[t]);
       transpose16(keys);
-      const __m512i block_start = _mm512_set1_epi32(static_cast<int32_t>(i * kBlock));
-      const __m512i seen = _mm512_sub_epi32(position, block_start);
-      const __m512i seen_from = _mm512_sub_epi32(from, block_start);
-      __mmask16 visible[kBlock];
-      __m512 block_top = ninf;
-      for (int64_t j = 0; j < kBlock; ++j) {
-        const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(j));
-        visible[j] = _mm512_cmp_epi32_mask(key, seen, _MM_CMPINT_LE);
-        if (window > 0) visible[j] &= _mm512_cmp_epi32_mask(key, seen_from, _MM_CMPINT_NLT);
-        __m512 scaled = _mm512_mul_ps(_mm512_castsi512_ps(keys[j]), vscale);
-        if (softcap > 0.f) scaled = softcap16(scaled, softcap);
-        keys[j] = _mm512_castps_si512(_mm512_mask_mov_ps(ninf, visible[j], scaled));
-        block_top = _mm512_max_ps(block_top, _mm512_castsi512_ps(keys[j]));
-      }
-      const __m512 new_top = _mm512_max_ps(top, block_top);
-      // a query that has seen no key yet (top still -inf) keeps a factor of 1
-      const __mmask16 started = _mm512_cmp_ps_mask(new_top, ninf, _CMP_NEQ_UQ);
-      const __m512 factor = _mm512_mask_mov_ps(
-          _mm512_set1_ps(1.f), started, exp16(_mm512_sub_ps(top, new_top)));
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t j = 0; j < kBlock; ++j) {
-        const __m512 pj = _mm512_maskz_mov_ps(
-            visible[j], exp16(_mm512_sub_ps(_mm512_castsi512_ps(keys[j]), new_top)));
-        _mm512_store_ps(probs[j], pj);
-        sum = _mm512_add_ps(sum, pj);
-      }
-      total = _mm512_add_ps(_mm512_mul_ps(total, factor), sum);
-      top = new_top;
+      const __m512 factor = conveyor::softmax_block(keys, tile.position, tile.from, i * kBlock,
+                                                    window > 0, tile.whole(i), softcap, vscale,
+                                                    top, total);
+      for (int64_t j = 0; j < kBlock; ++j)
+        _mm512_store_ps(probs[j], _mm512_castsi512_ps(keys[j]));
       _mm512_store_ps(rescale, factor);
       for (int64_t t = 0; t < count; ++t) {
-        const int64_t nk = std::min(pos[t] - i * kBlock + 1, kBlock);  // keys it sees
+        const int64_t pos = tile.positions[t];
+        const int64_t nk = std::min(pos - i * kBlock + 1, kBlock);  // keys it sees
         // the keys of this block before its window (their weights are 0)
-        const int64_t j0 = window > 0 ? std::max<int64_t>(pos[t] - window + 1 - i * kBlock, 0) : 0;
+        const int64_t j0 = window > 0 ? std::max<int64_t>(pos - window + 1 - i * kBlock, 0) : 0;
         if (nk <= j0) continue;
         __m512 o[V];
         const __m512 rs = _mm512_set1_ps(rescale[t]);
@@ -350,16 +278,7 @@ void prefill(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_c
         for (int64_t c = 0; c < V; ++c) _mm512_store_ps(acc[t] + c * 16, o[c]);
       }
     }
-    alignas(64) float tops[kTile], totals[kTile];
-    _mm512_store_ps(tops, top);
-    _mm512_store_ps(totals, total);
-    for (int64_t t = 0; t < count; ++t) {
-      const int64_t row = query_start[s] + r0 + t / group, h = kvh * group + t % group;
-      uint16_t* o = out + (row * heads + h) * D;
-      const float inv = 1.f / totals[t];
-      for (int64_t d = 0; d < D; ++d) o[d] = to_bf16(acc[t][d] * inv);
-      if (lse != nullptr) lse[row * heads + h] = tops[t] + std::log(totals[t]);
-    }
+    conveyor::write_prefill_rows<D>(tile, query_start, heads, acc, top, total, out, lse);
   }
 }
 
@@ -413,17 +332,11 @@ int conveyor_paged_prefill_bf16(const uint16_t* query, const uint16_t* k_cache,
                                 uint16_t* out, float* lse, int64_t seqs, int64_t heads,
                                 int64_t kv_heads, int64_t head_dim, int64_t table_width,
                                 float scale, int threads, int64_t window, float softcap) {
-  if (kv_heads < 1 || heads % kv_heads != 0 || heads / kv_heads > kMaxGroup) return -1;
-  if (head_dim == 64) {
-    prefill<64>(query, k_cache, v_cache, tables, query_start, context_lens, out, lse, seqs,
-                heads, kv_heads, table_width, scale, threads, window, softcap);
-  } else if (head_dim == 128) {
-    prefill<128>(query, k_cache, v_cache, tables, query_start, context_lens, out, lse, seqs,
-                 heads, kv_heads, table_width, scale, threads, window, softcap);
-  } else {
-    return -1;
-  }
-  return 0;
+  return conveyor::for_prefill_shape(heads, kv_heads, head_dim, [&](auto d) {
+    prefill<decltype(d)::value>(query, k_cache, v_cache, tables, query_start, context_lens, out,
+                                lse, seqs, heads, kv_heads, table_width, scale, threads, window,
+                                softcap);
+  });
 }
 
 // Writes this step's keys and values into their cache slots (kv_slots.h).

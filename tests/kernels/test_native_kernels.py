@@ -1,19 +1,27 @@
-"""The AVX512-BF16 attention kernel (`kernels.native_paged`) against the reference on the same
-bfloat16 inputs, decode and prefill, its build cache, and which kernel the compiled backend
-picks."""
+"""The AVX512-BF16 attention kernels (`kernels.native_paged`) against the reference on the same
+bfloat16 inputs, decode and prefill (the prefill on AMX's tile unit too), their build cache, and
+which kernel the compiled backend picks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conveyor.kernels import cpu_build, get_attention_backend, native_paged
+from conveyor.kernels import cpu_build, get_attention_backend, native_experts, native_paged
 from conveyor.kernels import torch_paged as ref
 from tests.kernels.test_kernels import on_thread_counts, paged_setup, poison_past_contexts
 
 pytestmark = pytest.mark.skipif(
     not cpu_build.cpu_has_avx512_bf16(), reason="this CPU has no AVX512-BF16"
 )
+
+
+# each prefill kernel: on AMX's tile unit (where this CPU has it) and on the dot products
+PREFILL = [
+    pytest.param("amx", id="amx",
+                 marks=pytest.mark.skipif(not cpu_build.cpu_has_amx_bf16(), reason="no AMX")),
+    pytest.param("avx512_bf16", id="avx512_bf16"),
+]  # fmt: skip
 
 
 def setup(lens, heads, kv_heads, head_dim, seed=0):
@@ -92,7 +100,8 @@ def test_native_decode_ignores_what_lies_past_a_context(heads, kv_heads, head_di
 @pytest.mark.parametrize(
     "heads, kv_heads, head_dim", [(8, 4, 64), (4, 4, 128), (6, 2, 64), (16, 1, 64)]
 )
-def test_native_prefill_matches_the_reference(heads, kv_heads, head_dim) -> None:
+@pytest.mark.parametrize("isa", PREFILL)
+def test_native_prefill_matches_the_reference(isa, heads, kv_heads, head_dim) -> None:
     """Chunks with nothing cached before them and chunks after a cached context, of 1 to 120
     rows: whole tiles of query vectors and partial ones, diagonal blocks partly masked."""
     lens = [40, 17, 300, 1, 16, 29]  # tokens in the cache after this step's chunk
@@ -104,7 +113,7 @@ def test_native_prefill_matches_the_reference(heads, kv_heads, head_dim) -> None
         starts.append(starts[-1] + n)
     query = torch.randn(starts[-1], heads, head_dim, generator=g).to(torch.bfloat16)
     got, lse = native_paged.prefill_attention(
-        query, k_cache, v_cache, tables, starts, lens, 0.2, return_lse=True
+        query, k_cache, v_cache, tables, starts, lens, 0.2, return_lse=True, isa=isa
     )
     want, want_lse = ref.prefill_attention(
         query.float(), k_cache.float(), v_cache.float(), tables, starts, lens, 0.2,
@@ -137,7 +146,10 @@ def test_native_decode_honours_a_window_and_a_soft_cap(window, softcap, heads, k
 @pytest.mark.parametrize("window, softcap", [(1, None), (16, None), (37, None), (None, 1.5),
                                              (20, 0.5)])  # fmt: skip
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 4, 64), (4, 4, 128), (16, 1, 64)])
-def test_native_prefill_honours_a_window_and_a_soft_cap(window, softcap, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("isa", PREFILL)
+def test_native_prefill_honours_a_window_and_a_soft_cap(
+    isa, window, softcap, heads, kv_heads, head_dim
+):
     """Chunks whose rows' windows begin in different blocks of one tile, after cached context
     and from the first position."""
     lens = [40, 17, 300, 1, 16, 29, 90]
@@ -149,7 +161,7 @@ def test_native_prefill_honours_a_window_and_a_soft_cap(window, softcap, heads, 
         starts.append(starts[-1] + n)
     query = (4 * torch.randn(starts[-1], heads, head_dim, generator=g)).to(torch.bfloat16)
     got, lse = native_paged.prefill_attention(
-        query, k_cache, v_cache, tables, starts, lens, 0.2, True, window, softcap
+        query, k_cache, v_cache, tables, starts, lens, 0.2, True, window, softcap, isa
     )
     want, want_lse = ref.prefill_attention(
         query.float(), k_cache.float(), v_cache.float(), tables, starts, lens, 0.2,
@@ -157,6 +169,34 @@ def test_native_prefill_honours_a_window_and_a_soft_cap(window, softcap, heads, 
     )  # fmt: skip
     torch.testing.assert_close(got, want.to(torch.bfloat16), rtol=1.6e-2, atol=4e-3)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", PREFILL)
+@pytest.mark.parametrize("window", [None, 7])
+def test_native_prefill_ignores_what_lies_past_a_context(isa, window) -> None:
+    """NaN in K and infinity in V in the rows past each context change nothing: the scores
+    there are masked, and the tile unit's P.V (where 0 times infinity would be NaN) never
+    meets those V rows."""
+    lens, chunks = [40, 17, 9, 90], [40, 5, 9, 3]
+    k_cache, v_cache, tables, g = paged_setup(lens, 16, 4, 64, seed=6, dtype=torch.bfloat16)
+    starts = [0]
+    for n in chunks:
+        starts.append(starts[-1] + n)
+    query = torch.randn(starts[-1], 8, 64, generator=g).to(torch.bfloat16)
+    args = (starts, lens, 0.2, False, window, None, isa)
+    want = native_paged.prefill_attention(query, k_cache, v_cache, tables, *args)
+    poison_past_contexts(k_cache, v_cache, tables, lens)
+    got = native_paged.prefill_attention(query, k_cache, v_cache, tables, *args)
+    assert torch.isfinite(got.float()).all()
+    assert torch.equal(got, want)
+
+
+def test_the_prefill_runs_on_amx_where_the_cpu_has_it() -> None:
+    """First where the CPU has AMX and Linux lends it (as it does for the experts kernel)."""
+    isas = [isa for isa, _ in native_paged.prefill_kernels()]
+    assert isas[-1] == "avx512_bf16"
+    lent = any(isa == "amx" for isa, _ in native_experts.kernels(torch.bfloat16))
+    assert (isas[0] == "amx") == (cpu_build.cpu_has_amx_bf16() and lent)
 
 
 def test_native_decode_takes_no_rows() -> None:
