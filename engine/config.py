@@ -188,7 +188,7 @@ class EngineConfig:
     experts: str = _option(
         "auto",
         "how a mixture-of-experts model's experts run: auto (the fastest this device runs), "
-        "triton (CUDA), native (x86 CPUs: float32 with AVX2 and no AVX-512, bfloat16 with "
+        "triton (CUDA), native (x86 CPUs: float32 with AVX2 or AVX-512, bfloat16 with "
         "AVX512-BF16 or AMX) or grouped (torch's grouped products; default auto)",
         choices=("auto", "triton", "native", "grouped"),
     )

@@ -12,8 +12,8 @@ implementations of a piece:
 - projections: oneDNN's prepacked weights on the CPU where oneDNN runs the dtype (its bfloat16
   path needs avx512bw/vl/dq or avx_ne_convert), the plain product (cuBLAS, MKL) elsewhere;
 - experts (mixture-of-experts models): `kernels.triton_moe` on CUDA, `kernels.native_experts`
-  on an x86 CPU it covers (float32 with AVX2 but not AVX-512, bfloat16 with AMX or
-  AVX512-BF16), torch's grouped products elsewhere.
+  on an x86 CPU it covers (float32 with AVX2, on AVX-512's lanes where the CPU has them;
+  bfloat16 with AMX or AVX512-BF16), torch's grouped products elsewhere.
 """
 
 from __future__ import annotations
@@ -121,8 +121,8 @@ def _experts(
     triton = triton_available(device)  # on a CPU only through Triton's interpreter
     if chosen == NATIVE and not native:
         raise ValueError(
-            "experts native: the native experts kernels run on x86 CPUs, float32 with AVX2 and "
-            "no AVX-512 (hidden sizes multiples of 16, intermediate of 8) and bfloat16 with "
+            "experts native: the native experts kernels run on x86 CPUs, float32 with AVX2 or "
+            "AVX-512 (hidden sizes multiples of 16, intermediate of 8) and bfloat16 with "
             "AVX512-BF16 or AMX (both multiples of 32)"
         )
     if chosen == TRITON and not triton:

@@ -25,6 +25,9 @@ AMX_FLAGS = (*AVX512_BF16_FLAGS, "-mamx-tile", "-mamx-bf16")
 AVX2_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # and of those that round after every product and sum, as torch's eager ops do
 AVX2_UNFUSED_FLAGS = (*AVX2_FLAGS, "-ffp-contract=off")
+# the flags of a float32 kernel written on csrc/simd_f32.h, built for AVX-512's 16 lanes
+AVX512_F32_FLAGS = ("-O3", "-mavx512f", "-mavx512dq", "-mfma", "-DCONVEYOR_AVX512", "-fopenmp",
+                    "-shared", "-fPIC")  # fmt: skip
 
 
 def cache_dir(*parts: str) -> Path:
@@ -58,6 +61,10 @@ def cpu_has_amx_bf16() -> bool:
 
 def cpu_has_avx2() -> bool:
     return {"avx2", "fma"} <= cpu_flags()
+
+
+def cpu_has_avx512_f32() -> bool:
+    return {"avx512f", "avx512dq", "fma"} <= cpu_flags()
 
 
 def build_library(compiler: str, source: Path, flags: tuple[str, ...]) -> Path:
@@ -103,6 +110,14 @@ def load_avx2(
     if not cpu_has_avx2():
         return None
     return _load(source, flags, fallback)
+
+
+def load_avx512_f32(source: Path, fallback: str) -> ctypes.CDLL | None:
+    """A float32 kernel written on csrc/simd_f32.h, built for AVX-512's 16 lanes, as
+    `load_avx512_bf16` loads its own."""
+    if not cpu_has_avx512_f32():
+        return None
+    return _load(source, AVX512_F32_FLAGS, fallback)
 
 
 def _load(source: Path, flags: tuple[str, ...], fallback: str) -> ctypes.CDLL | None:

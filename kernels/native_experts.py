@@ -2,11 +2,14 @@
 (token, expert) pairs sorted by expert, each expert's tokens through its gate/up weight,
 SiLU(gate) * up and its down weight, whole experts a thread (or parts of them where there are
 few experts for the threads), and each token's outputs weighted and summed
-(`csrc/moe_routing.h`); the products in float32 with AVX2 and FMA (`csrc/experts_f32.cpp`), in
-bfloat16 on AMX's tile unit (`csrc/experts_amx.cpp`) or with AVX512-BF16's dot products
-(`csrc/experts_bf16.cpp`).
+(`csrc/moe_routing.h`); the products in float32 with AVX-512 or AVX2 and FMA
+(`csrc/experts_f32.cpp`), in bfloat16 on AMX's tile unit (`csrc/experts_amx.cpp`) or with
+AVX512-BF16's dot products (`csrc/experts_bf16.cpp`).
 
-float32, on a 2-core AVX2 CPU (AMD EPYC) with 8 experts of 64 a token: a layer in 0.26-0.42x
+float32 runs on AVX-512's 16 lanes where the CPU has AVX-512 (the same source built for them,
+the same results bit for bit; on a 2-core Intel Xeon, a layer of 64 experts 1.0-1.05x the AVX2
+build's speed at 1-16 tokens, 1.2x at 128 and 1.5x at 1,024-4,096), else on AVX2's 8. On a
+2-core AVX2 CPU (AMD EPYC) with 8 experts of 64 a token: a layer in 0.26-0.42x
 the time of torch's grouped products at 16-128 tokens and ~0.5x at 256-4,096, so it runs every
 step; on a 2-core AMD EPYC with AVX-512 (whose grouped products are oneDNN's AVX-512 ones),
 0.16x, 0.31-0.43x, 0.62x and 0.43-0.47x at 16, 128, 1,024 and 4,096 tokens. bfloat16, on a
@@ -32,15 +35,15 @@ from pathlib import Path
 
 import torch
 
-from conveyor.kernels.cpu_build import load_amx, load_avx2, load_avx512_bf16
+from conveyor.kernels.cpu_build import load_amx, load_avx2, load_avx512_bf16, load_avx512_f32
 
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = {"avx2": CSRC / "experts_f32.cpp", "amx": CSRC / "experts_amx.cpp",
-           "avx512_bf16": CSRC / "experts_bf16.cpp"}  # fmt: skip
+SOURCES = {"avx512": CSRC / "experts_f32.cpp", "avx2": CSRC / "experts_f32.cpp",
+           "amx": CSRC / "experts_amx.cpp", "avx512_bf16": CSRC / "experts_bf16.cpp"}  # fmt: skip
 # the sizes each kernel takes: hidden and intermediate sizes, multiples of these
-_MULTIPLES = {"avx2": (16, 8), "avx512_bf16": (32, 32), "amx": (32, 32)}
+_MULTIPLES = {"avx512": (16, 8), "avx2": (16, 8), "avx512_bf16": (32, 32), "amx": (32, 32)}
 
 
 @functools.cache
@@ -51,7 +54,8 @@ def kernels(dtype: torch.dtype) -> tuple[tuple[str, Callable[..., None]], ...]:
     products."""
     fallback = "experts run as grouped products"
     found: list[tuple[str, ctypes.CDLL | None]] = []
-    if dtype == torch.float32:
+    if dtype == torch.float32:  # one source: AVX-512's 16 lanes where the CPU has them
+        found.append(("avx512", load_avx512_f32(SOURCES["avx512"], "experts use AVX2's kernel")))
         found.append(("avx2", load_avx2(SOURCES["avx2"], fallback)))
     elif dtype == torch.bfloat16:
         amx = load_amx(SOURCES["amx"], fallback)
@@ -76,8 +80,8 @@ def kernel(dtype: torch.dtype) -> tuple[str, Callable[..., None]] | None:
     return found[0] if found else None
 
 
-FUNCTIONS = {"avx2": "conveyor_moe_f32", "avx512_bf16": "conveyor_moe_bf16",
-             "amx": "conveyor_moe_amx"}  # fmt: skip
+FUNCTIONS = {"avx512": "conveyor_moe_f32", "avx2": "conveyor_moe_f32",
+             "avx512_bf16": "conveyor_moe_bf16", "amx": "conveyor_moe_amx"}  # fmt: skip
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 ARGUMENTS = {  # bfloat16's weights may be float32 or bfloat16: a flag says which
     torch.float32: [_P] * 7 + [_I] * 5 + [ctypes.c_int],

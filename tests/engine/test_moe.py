@@ -35,7 +35,7 @@ def test_each_moe_block_equals_transformers(checkpoints, arch, dtype, monkeypatc
     and the experts' products as transformers computes them: the same numbers, bit for bit in
     bfloat16 as grouped products (in float32, the router's oneDNN product rounds in its own
     order). On an x86 CPU the experts run in `native_experts`' kernel, steps of few tokens and
-    of many alike: in float32 (AVX2, no AVX-512) its sums in k order; in bfloat16 (AMX or
+    of many alike: in float32 (AVX2 or AVX-512) its sums in k order; in bfloat16 (AMX or
     AVX512-BF16) its float32 sums in another order than oneDNN's (a bfloat16 rounding apart at
     most, here and there)."""
     from transformers import AutoModelForCausalLM

@@ -1,8 +1,9 @@
-"""The experts kernels (`kernels.native_experts`: float32 on AVX2; bfloat16 on AMX's tile unit
-and on AVX512-BF16's dot products) give each row its expert's SwiGLU, as the reference computes
-it up to the order of float32 sums (in bfloat16, rounded where transformers rounds): experts
-with no row, one, and counts around each kernel's tiles (4, 12 and 16 rows, 32 columns). The
-bfloat16 kernels take the whole routed layer: each token's k experts, weighted and summed."""
+"""The experts kernels (`kernels.native_experts`: float32 on AVX-512 and on AVX2; bfloat16 on
+AMX's tile unit and on AVX512-BF16's dot products) give each row its expert's SwiGLU, as the
+reference computes it up to the order of float32 sums (in bfloat16, rounded where transformers
+rounds): experts with no row, one, and counts around each kernel's tiles (4, 12 and 16 rows, 32
+columns). The bfloat16 kernels take the whole routed layer: each token's k experts, weighted
+and summed."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from conveyor.kernels import cpu_build, native_experts
 
 # every kernel this CPU can run: its dtype and instruction set (the tests of the others skip)
 KERNELS = [
+    pytest.param(torch.float32, "avx512", id="float32-avx512",
+                 marks=pytest.mark.skipif(not cpu_build.cpu_has_avx512_f32(),
+                                          reason="no AVX-512 (F, DQ) and FMA")),
     pytest.param(torch.float32, "avx2", id="float32-avx2",
                  marks=pytest.mark.skipif(not cpu_build.cpu_has_avx2(), reason="no AVX2 and FMA")),
     pytest.param(torch.bfloat16, "amx", id="bfloat16-amx",
@@ -34,7 +38,8 @@ def swiglu(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> tor
 
 
 # (hidden, inter) for each kernel: the smallest it takes, and Qwen3-MoE's shape scaled down
-SIZES = {"avx2": [(64, 24), (32, 8), (512, 192)], "amx": [(32, 32), (96, 64), (512, 192)],
+SIZES = {"avx2": [(64, 24), (32, 8), (512, 192)], "avx512": [(64, 24), (32, 8), (512, 192)],
+         "amx": [(32, 32), (96, 64), (512, 192)],
          "avx512_bf16": [(32, 32), (96, 64), (512, 192)]}  # fmt: skip
 CASES = [
     pytest.param(*kernel.values, hidden, inter, id=f"{kernel.id}-{hidden}x{inter}",
@@ -125,6 +130,24 @@ def test_the_routed_layer_weighs_and_sums_each_tokens_experts(
     else:
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
         assert (got == want).float().mean() > 0.9
+
+
+@pytest.mark.skipif(not cpu_build.cpu_has_avx512_f32(), reason="no AVX-512 (F, DQ) and FMA")
+@pytest.mark.parametrize("hidden, inter, tokens", [(512, 192, 1), (512, 192, 300), (64, 24, 37)])
+def test_the_float32_kernels_agree_bit_for_bit(hidden, inter, tokens) -> None:
+    """One source built for AVX-512's 16 lanes and AVX2's 8: a float32 result must not depend
+    on which the CPU has (24: the activation's last 8 columns past AVX-512's 16)."""
+    assert native_experts.kernel(torch.float32)[0] == "avx512"
+    g = torch.Generator().manual_seed(tokens)
+    experts, k = 8, 3
+    gate_up = native_experts.layout(torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1)
+    down = native_experts.layout(torch.randn(experts, hidden, inter, generator=g) * 0.1)
+    x = torch.randn(tokens, hidden, generator=g)
+    index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=g)
+    got = {isa: native_experts.routed_experts(x, index, weights, gate_up, down, inter, isa)
+           for isa in ("avx512", "avx2")}  # fmt: skip
+    assert torch.equal(got["avx512"], got["avx2"])
 
 
 def test_the_weights_layout_is_each_kernels() -> None:
