@@ -44,7 +44,7 @@ from conveyor.engine.models.layers import LongRope
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput, TokenLogprobs
 from conveyor.engine.prompt_logprobs import PromptLogprobs
-from conveyor.engine.sampler import Sampler, SampleRequest, SampleResult
+from conveyor.engine.sampler import DRAW, Sampler, SampleRequest, SampleResult
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.scheduler import Scheduler
 from conveyor.engine.sequence import Request, Sequence
@@ -203,6 +203,7 @@ class LLMEngine:
             "device": self.device.type,
             "plan": self.plan.as_dict(),
             "batch_invariant": c.batch_invariant,
+            "sampling": DRAW,
             "generation_config": c.generation_config,
             "chat_template_kwargs": self.chat_template.defaults,
         }

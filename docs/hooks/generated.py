@@ -30,6 +30,7 @@ BENCH_COLUMNS = {
                      "ratio_vs_quiet", "engine_ratio_vs_quiet", "abort_latency_ms_p50"],
     "prefix_sharing": ["num_requests", "cached_fraction", "ratio_vs_off", "ratio_vs_hf"],
     "sampling_features": ["plain_tokens_per_s", "penalties_cost", "structured_cost"],
+    "sampled_decoding": ["cpu_isa", "dtype", "time_over_greedy"],
     "step_profile": ["cpu_isa", "dtype", "attention", "elementwise", "sequences", "decode_ms",
                      "prefill_ms"],
     "reuse": ["lines", "first_s", "rerun_s", "rerun_share_of_first", "edited_reused",

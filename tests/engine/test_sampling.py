@@ -273,3 +273,83 @@ def test_stop_strings_give_the_text_of_the_whole_decode(llm):
         texts += [o.outputs[0].text for o in llm.step() if o.request_id == "s"]
     assert texts[-1] == fulls[0].text
     assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
+
+
+def sampled_frequencies(logits: torch.Tensor, params: SamplingParams, draws: int) -> torch.Tensor:
+    """How often each token of one row of `logits` is drawn in `draws` rows sampled at once."""
+    from conveyor.engine.logits_processors import SampleRequest
+    from conveyor.engine.sampler import Sampler
+
+    sampler = Sampler(torch.Generator().manual_seed(3))
+    rows = [SampleRequest(params, None, []) for _ in range(draws)]
+    tokens = torch.tensor(sampler(logits.expand(draws, -1).clone(), rows).token_ids)
+    return torch.bincount(tokens, minlength=logits.shape[-1]).double() / draws
+
+
+@pytest.mark.parametrize(
+    "params, kept",
+    [
+        (SamplingParams(temperature=0.7), None),
+        (SamplingParams(temperature=1.0, top_k=3), [0, 1, 2]),
+        (SamplingParams(temperature=1.0, top_p=0.7), [0, 1]),  # 0.49 + 0.23 reach 0.7
+        (SamplingParams(temperature=1.0, min_p=0.2), [0, 1, 2]),
+        (SamplingParams(temperature=1.0, top_k=4, top_p=0.999), [0, 1, 2, 3]),
+    ],
+)
+def test_sampled_tokens_follow_the_distribution(params, kept):
+    """Each token is drawn as often as its probability says (within 5 standard deviations of
+    40,000 draws): the softmax at the row's temperature, renormalised over what top-k, top-p
+    and min-p keep; a token they drop is never drawn."""
+    probs = torch.tensor([0.49, 0.23, 0.13, 0.08, 0.04, 0.02, 0.01, 0.0], dtype=torch.float64)
+    logits = probs.clamp(min=1e-30).log().float()[None, :]
+    want = torch.softmax(logits.double() / params.temperature, dim=-1)[0]
+    if kept is not None:
+        mask = torch.zeros_like(want, dtype=torch.bool)
+        mask[kept] = True
+        want = torch.where(mask, want, 0.0)
+        want /= want.sum()
+    draws = 40_000
+    got = sampled_frequencies(logits, params, draws)
+    sigma = (want * (1 - want) / draws).sqrt()
+    assert ((got - want).abs() <= 5 * sigma + 1e-12).all(), (got, want)
+    assert (got[want == 0] == 0).all()
+
+
+def test_top_k_and_top_p_keep_what_a_sort_of_the_whole_vocabulary_keeps():
+    """The CPU's shortcuts (a row with a k looks at its k most likely tokens, a row without
+    at its 64 most likely first) keep the tokens the full sort keeps, on flat and peaked rows;
+    a top_p of 1 drops nothing, however a float32 sum rounds."""
+    from conveyor.engine.logits_processors import SampleRequest
+    from conveyor.engine.sampler import _sorted_top_k_top_p, _top_k_top_p
+
+    g = torch.Generator().manual_seed(4)
+    vocab = 3000
+    settings = [(0, 0.9), (20, 1.0), (50, 0.7), (0, 1.0), (0, 0.99), (2000, 0.8), (5, 0.5)]
+    for scale in (0.5, 3.0, 10.0, 40.0):
+        logits = torch.randn(len(settings), vocab, generator=g) * scale
+        params = [SamplingParams(temperature=1.0, top_k=k, top_p=p) for k, p in settings]
+        rows = [SampleRequest(p, None, []) for p in params]
+        top_k = torch.tensor([float(k or vocab) for k, _ in settings])
+        top_p = torch.tensor([p for _, p in settings])
+        got = _top_k_top_p(logits, top_k, top_p, rows)
+        want = _sorted_top_k_top_p(logits, top_k, top_p)
+        assert torch.equal(got.isinf(), want.isinf()), scale
+        assert torch.equal(got[~got.isinf()], logits[~got.isinf()])
+        kept = (~got.isinf()).sum(dim=-1).tolist()
+        assert kept[1] == 20 and kept[3] == vocab  # top_p 1: the k, or all of the row
+
+
+def test_a_draw_is_one_number_a_row_whatever_the_vocabulary():
+    """A sampled row moves the generator by one number, not one a token (the draw inverts the
+    row's cumulative sum), so a seeded row's next draw does not depend on the vocabulary."""
+    from conveyor.engine.logits_processors import SampleRequest
+    from conveyor.engine.sampler import Sampler
+
+    for vocab in (10, 50_000):
+        seeded = torch.Generator().manual_seed(11)
+        sampler = Sampler(torch.Generator().manual_seed(0))
+        rows = [SampleRequest(SamplingParams(temperature=1.0), seeded, [])]
+        sampler(torch.zeros(1, vocab), rows)
+        reference = torch.Generator().manual_seed(11)
+        torch.rand(1, generator=reference)
+        assert torch.equal(seeded.get_state(), reference.get_state())

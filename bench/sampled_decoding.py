@@ -1,0 +1,91 @@
+"""What sampling costs against greedy decoding: one workload run greedy, at temperature 1, with
+top-k 50 and with top-p 0.95, in one process, each run on new prompts, the settings in
+another order each round; each sampled run's time over the greedy run's of its round.
+
+The workload and model are bench/engine_ceiling.py's: `--requests` (128) prompts of 32-400
+random tokens, 16-128 generated tokens each (EOS ignored), the benchmarks' random ~56M-parameter
+Llama (a 32,000-token vocabulary) on the engine's defaults. Its rows are flat next to a trained
+model's: top-p 0.95 keeps most of the vocabulary, so its nucleus never fits among a row's 64
+most likely tokens and every step sorts the whole vocabulary (a trained model's peaked rows
+settle among those 64, as top-k does).
+
+    python bench/sampled_decoding.py            # 2 rounds, ~2 minutes
+    python bench/sampled_decoding.py --quick    # 32 requests, 1 round
+
+The last line printed is one JSON object with the headline numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from datetime import date
+
+from engine_vs_hf import make_workload
+from machine import cpu_isa, git_state
+from random_llama import add_model_arguments, add_run_arguments, set_up
+from report import print_result, rule, table
+
+from conveyor.engine import LLM, SamplingParams
+
+SETTINGS = {
+    "greedy": {"temperature": 0},
+    "temperature 1": {"temperature": 1.0},
+    "top-k 50": {"temperature": 0.7, "top_k": 50},
+    "top-p 0.95": {"temperature": 0.8, "top_p": 0.95},
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_arguments(ap, max_positions=1024)
+    add_run_arguments(ap)
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="32 requests, one round")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.set_defaults(skip_hf=True)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.requests, args.rounds = 32, 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    m = set_up(args)
+    try:
+        llm = LLM(str(m.path))
+        llm.warm_up()
+        rule(f"{args.requests} requests, {str(llm.dtype).removeprefix('torch.')}")
+        ratios: dict[str, list[float]] = {name: [] for name in SETTINGS if name != "greedy"}
+        seed = args.seed
+        for r in range(args.rounds):
+            names = list(SETTINGS) if r % 2 == 0 else list(reversed(SETTINGS))
+            seconds = {}
+            for name in names:
+                seed += 1
+                wl = make_workload(args.requests, (32, 400), (16, 128), m.shape.vocab, seed)
+                params = [SamplingParams(max_tokens=n, ignore_eos=True, **SETTINGS[name])
+                          for n in wl.output_lens]  # fmt: skip
+                started = time.perf_counter()
+                llm.generate(wl.prompts, params, use_tqdm=False)
+                seconds[name] = time.perf_counter() - started
+            print(f"round {r + 1}: " + ", ".join(f"{n} {s:.2f} s" for n, s in seconds.items()))
+            for name in ratios:
+                ratios[name].append(seconds[name] / seconds["greedy"])
+        medians = {name: round(statistics.median(v), 2) for name, v in ratios.items()}
+        table([(name, f"{x:.2f}x") for name, x in medians.items()], ("setting", "time / greedy"))
+        result = {"bench": "sampled_decoding", "requests": args.requests, "rounds": args.rounds,
+                  "dtype": str(llm.dtype).removeprefix("torch."), "time_over_greedy": medians,
+                  "cpu_isa": cpu_isa(), "date": date.today().isoformat(),
+                  "code": git_state()}  # fmt: skip
+    finally:
+        m.cleanup()
+    print_result(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
