@@ -164,8 +164,8 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, at, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
-# on the CPU, the most likely tokens a row without a k looks among for its nucleus before a
-# full sort, and the largest k looked up without one
+# on the CPU: how many of its most likely tokens a row without a k looks among for its nucleus
+# before a full sort, and the largest k whose row looks among its k most likely instead of one
 NUCLEUS_GUESS = 64
 MAX_K_LOOKUP = 1024
 
