@@ -8,7 +8,7 @@ which reads each K/V block once for 16 query vectors (rows times the query heads
 takes their scores from a transposed K block and runs their softmax in one pass over the
 transposed scores: ~3.4x the decode kernel run a row at a time. On a CPU with AMX, the prefill
 runs on the tile unit instead (`csrc/prefill_amx.cpp`, where Linux lends the process the tile
-registers): its two products there, the same softmax, the weights kept to ~16 bits; 2.0-2.3x
+registers): its two products there, the same softmax, the weights kept to ~16 bits; 2.0-2.6x
 the dot-product kernel on a 4,096-token step. Both cover blocks of 16
 tokens, head sizes 64 and 128 and up to 16 query heads per KV head, with a sliding window (only
 the blocks in it are read) and a soft cap on the scores; the compiled backend sends everything
