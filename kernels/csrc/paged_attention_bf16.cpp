@@ -203,16 +203,13 @@ void prefill(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_c
              uint16_t* out, float* lse, int64_t seqs, int64_t heads, int64_t kv_heads,
              int64_t table_width, float scale, int threads, int64_t window, float softcap) {
   constexpr int64_t P = D / 2, V = D / 16;  // dword pairs per row, float vectors per row
-  const int64_t group = heads / kv_heads;
-  const int64_t rows_per_tile = std::max<int64_t>(1, kTile / group);
   const int64_t block_stride = kv_heads * kBlock * D;
-  const auto tiles = conveyor::prefill_tiles(query_start, seqs, rows_per_tile);
-  const int64_t tasks = static_cast<int64_t>(tiles.size()) * kv_heads;
+  const conveyor::PrefillTasks work(query_start, seqs, heads, kv_heads);
+  const int64_t tasks = work.count();
   const __m512 vscale = _mm512_set1_ps(scale);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t task = 0; task < tasks; ++task) {
-    const conveyor::PrefillTile tile(tiles[task / kv_heads], task % kv_heads, group, rows_per_tile,
-                                     query_start, context_lens, window);
+    const conveyor::PrefillTile tile = work.tile(task, query_start, context_lens, window);
     const int64_t s = tile.s, kvh = tile.kvh, count = tile.count;
     const int32_t* qdw[kTile];
     alignas(64) float acc[kTile][D] = {};

@@ -40,11 +40,9 @@ void prefill(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_c
              uint16_t* out, float* lse, int64_t seqs, int64_t heads, int64_t kv_heads,
              int64_t table_width, float scale, int threads, int64_t window, float softcap) {
   constexpr int64_t P = D / 2, C = D / 32, N = D / 16;  // dim pairs; 32-dim chunks; 16-dim chunks
-  const int64_t group = heads / kv_heads;
-  const int64_t rows_per_tile = std::max<int64_t>(1, kTile / group);
   const int64_t block_stride = kv_heads * kBlock * D;
-  const auto tiles = conveyor::prefill_tiles(query_start, seqs, rows_per_tile);
-  const int64_t tasks = static_cast<int64_t>(tiles.size()) * kv_heads;
+  const conveyor::PrefillTasks work(query_start, seqs, heads, kv_heads);
+  const int64_t tasks = work.count();
   // lanes 2i and 2i+1 of a key pair's row: dimension i of the first key, then of the second
   alignas(64) int16_t low[32], high[32];
   for (int i = 0; i < 16; ++i) {
@@ -58,8 +56,7 @@ void prefill(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_c
     conveyor::configure_tiles();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
-      const conveyor::PrefillTile tile(tiles[task / kv_heads], task % kv_heads, group,
-                                       rows_per_tile, query_start, context_lens, window);
+      const conveyor::PrefillTile tile = work.tile(task, query_start, context_lens, window);
       const int64_t context = context_lens[tile.s];
       alignas(64) int32_t qt[P][kTile];  // qt[p][t]: dimensions 2p and 2p+1 of query t
       alignas(64) float acc[kTile][D] = {};

@@ -92,16 +92,6 @@ inline __m512 softmax_block(__m512i keys[16], __m512i position, __m512i from, in
 constexpr int64_t kPrefillTile = 16;  // query vectors computed together
 constexpr int64_t kPrefillBlock = 16;  // tokens per KV block
 
-// The (sequence, first row of its chunk) of each tile of `rows_per_tile` rows.
-inline std::vector<std::pair<int32_t, int32_t>> prefill_tiles(const int32_t* query_start,
-                                                              int64_t seqs, int64_t rows_per_tile) {
-  std::vector<std::pair<int32_t, int32_t>> tiles;
-  for (int64_t s = 0; s < seqs; ++s)
-    for (int64_t r = 0; r < query_start[s + 1] - query_start[s]; r += rows_per_tile)
-      tiles.emplace_back(static_cast<int32_t>(s), static_cast<int32_t>(r));
-  return tiles;
-}
-
 // One task's tile: query vector t is row r0 + t / group of sequence s's chunk, head
 // kvh * group + t % group; `count` of the 16 are real, the rest unused (position -1).
 struct PrefillTile {
@@ -141,6 +131,29 @@ struct PrefillTile {
     return query_start[s] + r0 + t / group;
   }
   int64_t head(int64_t t) const { return kvh * group + t % group; }
+};
+
+// A prefill's tasks: each chunk's rows cut into tiles of up to 16 query vectors (rows times the
+// query heads of a KV head), a tile's KV heads one task each.
+struct PrefillTasks {
+  int64_t kv_heads, group, rows_per_tile;
+  std::vector<std::pair<int32_t, int32_t>> tiles;  // (sequence, first row of its chunk)
+
+  PrefillTasks(const int32_t* query_start, int64_t seqs, int64_t heads, int64_t kv_heads_)
+      : kv_heads(kv_heads_),
+        group(heads / kv_heads_),
+        rows_per_tile(std::max<int64_t>(1, kPrefillTile / group)) {
+    for (int64_t s = 0; s < seqs; ++s)
+      for (int64_t r = 0; r < query_start[s + 1] - query_start[s]; r += rows_per_tile)
+        tiles.emplace_back(static_cast<int32_t>(s), static_cast<int32_t>(r));
+  }
+
+  int64_t count() const { return static_cast<int64_t>(tiles.size()) * kv_heads; }
+  PrefillTile tile(int64_t task, const int32_t* query_start, const int32_t* context_lens,
+                   int64_t window) const {
+    return PrefillTile(tiles[task / kv_heads], task % kv_heads, group, rows_per_tile,
+                       query_start, context_lens, window);
+  }
 };
 
 // Each real query's result, its sums `acc` (rows D floats apart) over its softmax's total,
