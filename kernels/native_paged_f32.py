@@ -7,15 +7,18 @@ the block table, once per KV head for all the query heads that share it, with an
 per block. The decode: at a step of 96 sequences with contexts of 32-400 (an AVX2-only CPU, 2
 cores) it runs 1.3-1.5x as fast as the inductor-compiled decode (`compiled_paged`), which stays
 the decode for the shapes this kernel does not take. The prefill takes every chunk of the step
-in one call, 8 query vectors (rows times the query heads of a KV head) a task, where
-`torch_paged`'s runs torch's fused attention a sequence at a time, with a gathered copy of its
-cache where some of it was cached before: 4-30x as fast for a step of many short prompts
-(a small model's), 1.6-3.9x for prompts of 64-1,024 tokens at head size 64 (1.0-1.4x after
-1,024 cached); at 128, torch's runs contexts past `MAX_WIDE_PREFILL_CONTEXT` faster, and runs
-them (`runs_prefill`). Both cover blocks of 16 tokens, the head sizes of `HEAD_DIMS` (Phi-3's
-96 and Gemma's 256 among them), up to 16 query heads per KV head, a sliding window and a soft
-cap on the scores; `write_kv` copies the step's keys and values into their slots a row at a
-time.
+in one call, a vector's lanes of query vectors (rows times the query heads of a KV head) a
+task, where `torch_paged`'s runs torch's fused attention a sequence at a time, with a gathered
+copy of its cache where some of it was cached before: with AVX2's 8 lanes 4-30x as fast for a
+step of many short prompts (a small model's), 1.6-3.9x for prompts of 64-1,024 tokens at head
+size 64 (1.0-1.4x after 1,024 cached); at 128, torch's runs contexts past
+`MAX_WIDE_PREFILL_CONTEXT` faster, and runs them (`runs_prefill`). On a CPU with AVX-512 the
+source is built for its 16 lanes too (`libraries`), and that build runs: its prefill gives the
+same results bit for bit as AVX2's, 1.45-1.75x as fast (a 4,096-token step), and outruns
+torch's at every context. Both cover blocks of 16 tokens, the head sizes of `HEAD_DIMS`
+(Phi-3's 96 and Gemma's 256 among them), up to 16 query heads per KV head, a sliding window
+and a soft cap on the scores; `write_kv` copies the step's keys and values into their slots a
+row at a time.
 
 Built with the C++ compiler on first use and cached as `native_paged`'s kernel is
 (`kernels.cpu_build`); `covers` says whether its kernels run these shapes here.
@@ -30,13 +33,14 @@ from pathlib import Path
 import torch
 
 from conveyor.kernels import native_paged
-from conveyor.kernels.cpu_build import load_avx2
+from conveyor.kernels.cpu_build import load_avx2, load_avx512_f32
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_f32.cpp"
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the kernel's instances (csrc/paged_attention_f32.cpp)
-# the longest context in a step up to which the prefill kernel runs heads wider than 64: past
-# it torch's fused attention, which reads each K/V block for more queries at a time, is faster
-# (at 128: 1.3-1.8x torch's speed up to 512 tokens, 0.8-0.9x at 1,024 and more)
+# the longest context in a step up to which AVX2's prefill runs heads wider than 64: past it
+# torch's fused attention, which reads each K/V block for more queries at a time, is faster
+# (at 128 on an AMD EPYC: 1.3-1.8x torch's speed up to 512 tokens, 0.8-0.9x at 1,024 and
+# more). AVX-512's prefill, 16 queries a tile, ran 1.5-1.9x torch's at 512-4,096 tokens.
 MAX_WIDE_PREFILL_CONTEXT = 512
 
 
@@ -51,12 +55,25 @@ def covers(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 @functools.cache
+def libraries() -> tuple[tuple[str, ctypes.CDLL], ...]:
+    """The kernel's builds that run here, fastest first, each with its instruction set: for
+    AVX-512's 16 lanes (its prefill's tiles 16 query vectors) and for AVX2's 8; none where
+    none can be built or run here."""
+    fallback = "float32 attention uses the inductor decode and torch's prefill"
+    found = [
+        ("avx512", load_avx512_f32(SOURCE, "float32 attention uses AVX2's kernels")),
+        ("avx2", load_avx2(SOURCE, fallback)),
+    ]
+    for _, lib in found:
+        if lib is not None:
+            native_paged.declare(lib, "f32")
+    return tuple((isa, lib) for isa, lib in found if lib is not None)
+
+
 def _library() -> ctypes.CDLL | None:
-    """The built kernel, or None where it cannot be built or run here."""
-    lib = load_avx2(SOURCE, "float32 attention uses the inductor decode and torch's prefill")
-    if lib is not None:
-        native_paged.declare(lib, "f32")
-    return lib
+    """The fastest build here, or None."""
+    found = libraries()
+    return found[0][1] if found else None
 
 
 def decode_attention(
@@ -83,7 +100,9 @@ def runs_prefill(query: torch.Tensor, k_cache: torch.Tensor, context_lens: list[
     for its head size and longest context)."""
     if not covers(query, k_cache):
         return False
-    return query.shape[2] <= 64 or max(context_lens, default=0) <= MAX_WIDE_PREFILL_CONTEXT
+    if query.shape[2] <= 64 or libraries()[0][0] == "avx512":
+        return True
+    return max(context_lens, default=0) <= MAX_WIDE_PREFILL_CONTEXT
 
 
 def prefill_attention(
@@ -97,13 +116,16 @@ def prefill_attention(
     return_lse: bool = False,
     window: int | None = None,
     softcap: float | None = None,
+    isa: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same inputs and results as `torch_paged.prefill_attention`, this step's K/V already in
-    the cache: each chunk's queries attend causally to their sequence's blocks, 8 query
-    vectors (rows times the query heads of a KV head) at a time."""
+    the cache: each chunk's queries attend causally to their sequence's blocks, a vector's
+    lanes of query vectors (rows times the query heads of a KV head) at a time. `isa`: the
+    build to run (one of `libraries()`; by default the first)."""
     assert _library() is not None, "check covers() first"
+    lib = _library() if isa is None else dict(libraries())[isa]
     return native_paged.run_prefill(
-        _library().conveyor_paged_prefill_f32, query, k_cache, v_cache, block_tables,
+        lib.conveyor_paged_prefill_f32, query, k_cache, v_cache, block_tables,
         query_start, context_lens, scale, return_lse, window, softcap,
     )  # fmt: skip
 

@@ -1,7 +1,9 @@
 // Paged attention in float32 for x86 CPUs with AVX2 and FMA (the CPUs where the engine computes
 // in float32: no fast bfloat16 products), K/V blocks read in place through the block table: the
 // decode (one query token per sequence) and the prefill (`prefill` below), and the write of a
-// step's keys and values into their slots.
+// step's keys and values into their slots. Built with CONVEYOR_AVX512 defined, the prefill runs
+// on AVX-512's 16 lanes (simd_f32.h) with the same results bit for bit; the decode is AVX2's in
+// both builds.
 //
 // Both honour a sliding window (a query sees the last `window` positions; 0: all of them) and a
 // soft cap on the scores (cap * tanh(score / cap); 0: none), as transformers computes them.
@@ -199,141 +201,136 @@ void decode(const float* query, const float* k_cache, const float* v_cache, cons
   }
 }
 
-constexpr int64_t kTile = 8;  // query vectors (rows x heads of one KV head) computed together
+namespace v = conveyor::f32;
+constexpr int64_t kTile = v::kLanes;  // query vectors (rows x heads of one KV head) a task
 
 // Prefill: each chunk's query rows attend causally to their sequence's cache, written already
-// for this step. Work is split over (sequence, KV head, tile); a tile holds 8 of the chunk's
-// query vectors for the KV head (row by row, each row's query heads of the KV head in order;
-// a row's heads may fall in two tiles), so each K/V block is read once for all of them. The
-// tile's queries are transposed once (lane t of qt[d]: query t's element d), so a key's 8
-// scores, one a query, come out of D multiply-adds with the key's elements broadcast: lane t of
-// keys[j] is query t's score for key j, and the online softmax runs down the lanes.
+// for this step. Work is split over (sequence, KV head, tile); a tile holds a vector's lanes of
+// the chunk's query vectors for the KV head (row by row, each row's query heads of the KV head
+// in order; a row's heads may fall in two tiles), so each K/V block is read once for all of
+// them. The tile's queries are transposed once (lane t of qt[d]: query t's element d), so a
+// key's scores, one a query, come out of D multiply-adds with the key's elements broadcast:
+// lane t of keys[j] is query t's score for key j, and the online softmax runs down the lanes.
+// Every sum runs within a lane or along one query's row, so a query's result does not depend
+// on the lanes a vector has (AVX2's 8 or AVX-512's 16) nor on the tile it falls in.
 template <int64_t D>
 void prefill(const float* query, const float* k_cache, const float* v_cache,
              const int32_t* tables, const int32_t* query_start, const int32_t* context_lens,
              float* out, float* lse, int64_t seqs, int64_t heads, int64_t kv_heads,
              int64_t table_width, float scale, int threads, int64_t window, float softcap) {
-  constexpr int64_t V = D / 8;  // vectors a row
+  constexpr int64_t V = D / v::kLanes;  // vectors a row
   const int64_t group = heads / kv_heads;
   const int64_t block_stride = kv_heads * kBlock * D;
   std::vector<std::pair<int32_t, int32_t>> tiles;  // (sequence, its first query vector)
   for (int64_t s = 0; s < seqs; ++s)
-    for (int64_t v = 0; v < (query_start[s + 1] - query_start[s]) * group; v += kTile)
-      tiles.emplace_back(static_cast<int32_t>(s), static_cast<int32_t>(v));
+    for (int64_t q0 = 0; q0 < (query_start[s + 1] - query_start[s]) * group; q0 += kTile)
+      tiles.emplace_back(static_cast<int32_t>(s), static_cast<int32_t>(q0));
   const int64_t tasks = static_cast<int64_t>(tiles.size()) * kv_heads;
   const float ninf_f = -std::numeric_limits<float>::infinity();
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t task = 0; task < tasks; ++task) {
     // a KV head's tiles one after the other: the threads' next tasks read the same K/V
     const int64_t count_tiles = static_cast<int64_t>(tiles.size());
-    const int64_t s = tiles[task % count_tiles].first, v0 = tiles[task % count_tiles].second;
+    const int64_t s = tiles[task % count_tiles].first, q0 = tiles[task % count_tiles].second;
     const int64_t kvh = task / count_tiles;
     const int64_t n = query_start[s + 1] - query_start[s];
     const int64_t first = context_lens[s] - n;  // cache position of the chunk's first query
-    const int64_t count = std::min(kTile, n * group - v0);  // query vectors in this tile
-    alignas(32) float qt[D][kTile];
-    alignas(32) float acc[kTile][D];
-    alignas(32) float probs[kBlock][kTile];  // probs[j][t]: key j's weight for query t
-    alignas(32) float rescale[kTile];
-    alignas(32) int32_t positions[kTile];
+    const int64_t count = std::min(kTile, n * group - q0);  // query vectors in this tile
+    alignas(64) float qt[D][kTile];
+    alignas(64) float acc[kTile][D];
+    alignas(64) float probs[kBlock][kTile];  // probs[j][t]: key j's weight for query t
+    alignas(64) float rescale[kTile];
+    alignas(64) float positions[kTile];  // exact: contexts stay far below 2^24
     int64_t pos[kTile];
     for (int64_t t = 0; t < kTile; ++t) {
-      const int64_t row = (v0 + t) / group, h = kvh * group + (v0 + t) % group;
+      const int64_t row = (q0 + t) / group, h = kvh * group + (q0 + t) % group;
       const bool real = t < count;
       const float* q = query + ((query_start[s] + row) * heads + h) * D;
       for (int64_t d = 0; d < D; ++d) qt[d][t] = real ? q[d] : 0.f;
       pos[t] = real ? first + row : -1;
-      positions[t] = static_cast<int32_t>(pos[t]);
+      positions[t] = static_cast<float>(pos[t]);
       for (int64_t d = 0; d < D; ++d) acc[t][d] = 0.f;
     }
     // the softmax's running max and sum, lane t for query t
-    const __m256 ninf = _mm256_set1_ps(ninf_f);
-    __m256 top = ninf, total = _mm256_setzero_ps();
-    const __m256i position = _mm256_load_si256(reinterpret_cast<const __m256i*>(positions));
+    const v::Vec ninf = v::set1(ninf_f);
+    v::Vec top = ninf, total = v::zero();
+    const v::Vec position = v::load(positions);
     const int64_t last = pos[count - 1];  // the tile's last position
     const int64_t blocks = last / kBlock + 1;
     // lane t: the first position query t sees (its window's), and from which block the tile reads
-    const __m256i from =
-        _mm256_sub_epi32(position, _mm256_set1_epi32(static_cast<int32_t>(window - 1)));
+    const v::Vec from = v::sub(position, v::set1(static_cast<float>(window - 1)));
     const int64_t start = window > 0 ? std::max<int64_t>(pos[0] - window + 1, 0) / kBlock : 0;
-    const __m256 vscale = _mm256_set1_ps(scale);
+    const v::Vec vscale = v::set1(scale);
     for (int64_t i = start; i < blocks; ++i) {
       const int64_t base = tables[s * table_width + i] * block_stride + kvh * kBlock * D;
       const float* k = k_cache + base;
-      const float* v = v_cache + base;
-      __m256 keys[kBlock];
+      const float* vrows = v_cache + base;
+      v::Vec keys[kBlock];
       for (int64_t half = 0; half < kBlock; half += 8) {
-        __m256 dots[8];
-        for (int64_t j = 0; j < 8; ++j) dots[j] = _mm256_setzero_ps();
+        v::Vec dots[8];
+        for (int64_t j = 0; j < 8; ++j) dots[j] = v::zero();
         for (int64_t d = 0; d < D; ++d) {
-          const __m256 qd = _mm256_load_ps(qt[d]);
+          const v::Vec qd = v::load(qt[d]);
 #pragma GCC unroll 8
           for (int64_t j = 0; j < 8; ++j)
-            dots[j] = _mm256_fmadd_ps(qd, _mm256_broadcast_ss(k + (half + j) * D + d), dots[j]);
+            dots[j] = v::fmadd(qd, v::broadcast(k + (half + j) * D + d), dots[j]);
         }
         for (int64_t j = 0; j < 8; ++j) keys[half + j] = dots[j];
       }
       // lane t of keys[j] is visible if key i*16+j lies in query t's causal window
-      const __m256i block_start = _mm256_set1_epi32(static_cast<int32_t>(i * kBlock));
-      const __m256i seen = _mm256_sub_epi32(position, block_start);
-      const __m256i seen_from = _mm256_sub_epi32(from, block_start);
-      __m256 visible[kBlock];
-      __m256 block_top = ninf;
+      v::Mask visible[kBlock];
+      v::Vec block_top = ninf;
       for (int64_t j = 0; j < kBlock; ++j) {
-        const __m256i key = _mm256_set1_epi32(static_cast<int32_t>(j));
-        __m256i shown = _mm256_xor_si256(_mm256_cmpgt_epi32(key, seen), _mm256_set1_epi32(-1));
-        if (window > 0)
-          shown = _mm256_andnot_si256(_mm256_cmpgt_epi32(seen_from, key), shown);
-        visible[j] = _mm256_castsi256_ps(shown);
-        __m256 scaled = _mm256_mul_ps(keys[j], vscale);
+        const v::Vec key = v::set1(static_cast<float>(i * kBlock + j));
+        visible[j] = v::less_equal(key, position);
+        if (window > 0) visible[j] = v::both(visible[j], v::less_equal(from, key));
+        v::Vec scaled = v::mul(keys[j], vscale);
         if (softcap > 0.f) {
-          alignas(32) float lanes[8];
-          _mm256_store_ps(lanes, scaled);
+          alignas(64) float lanes[kTile];
+          v::store(lanes, scaled);
           for (float& x : lanes) x = softcap * std::tanh(x / softcap);
-          scaled = _mm256_load_ps(lanes);
+          scaled = v::load(lanes);
         }
-        keys[j] = _mm256_blendv_ps(ninf, scaled, visible[j]);
-        block_top = _mm256_max_ps(block_top, keys[j]);
+        keys[j] = v::select(visible[j], scaled, ninf);
+        block_top = v::max(block_top, keys[j]);
       }
-      const __m256 new_top = _mm256_max_ps(top, block_top);
+      const v::Vec new_top = v::max(top, block_top);
       // a query that has seen no key yet (top still -inf) keeps a factor of 1
-      const __m256 started = _mm256_cmp_ps(new_top, ninf, _CMP_NEQ_UQ);
-      const __m256 factor =
-          _mm256_blendv_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(top, new_top)), started);
-      __m256 sum = _mm256_setzero_ps();
+      const v::Vec factor = v::select(v::not_equal(new_top, ninf), v::exp(v::sub(top, new_top)),
+                                      v::set1(1.f));
+      v::Vec sum = v::zero();
       for (int64_t j = 0; j < kBlock; ++j) {
-        const __m256 pj = _mm256_and_ps(visible[j], exp8(_mm256_sub_ps(keys[j], new_top)));
-        _mm256_store_ps(probs[j], pj);
-        sum = _mm256_add_ps(sum, pj);
+        const v::Vec pj = v::zero_unless(visible[j], v::exp(v::sub(keys[j], new_top)));
+        v::store(probs[j], pj);
+        sum = v::add(sum, pj);
       }
-      total = _mm256_add_ps(_mm256_mul_ps(total, factor), sum);
+      total = v::add(v::mul(total, factor), sum);
       top = new_top;
-      _mm256_store_ps(rescale, factor);
+      v::store(rescale, factor);
       for (int64_t t = 0; t < count; ++t) {
         const int64_t nk = std::min(pos[t] - i * kBlock + 1, kBlock);  // keys it sees
         // the keys of this block before its window (their weights are 0)
         const int64_t j0 = window > 0 ? std::max<int64_t>(pos[t] - window + 1 - i * kBlock, 0) : 0;
         if (nk <= j0) continue;
-        const __m256 rs = _mm256_set1_ps(rescale[t]);
+        const v::Vec rs = v::set1(rescale[t]);
         for (int64_t c0 = 0; c0 < V; c0 += 8) {  // 8 vectors of the row at a time, in registers
           const int64_t cn = std::min<int64_t>(8, V - c0);
-          __m256 o[8];
-          for (int64_t c = 0; c < cn; ++c)
-            o[c] = _mm256_mul_ps(_mm256_load_ps(acc[t] + (c0 + c) * 8), rs);
+          v::Vec o[8];
+          for (int64_t c = 0; c < cn; ++c) o[c] = v::mul(v::load(acc[t] + (c0 + c) * v::kLanes), rs);
           for (int64_t j = j0; j < nk; ++j) {
-            const __m256 pj = _mm256_set1_ps(probs[j][t]);
+            const v::Vec pj = v::set1(probs[j][t]);
             for (int64_t c = 0; c < cn; ++c)
-              o[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * D + (c0 + c) * 8), o[c]);
+              o[c] = v::fmadd(pj, v::load(vrows + j * D + (c0 + c) * v::kLanes), o[c]);
           }
-          for (int64_t c = 0; c < cn; ++c) _mm256_store_ps(acc[t] + (c0 + c) * 8, o[c]);
+          for (int64_t c = 0; c < cn; ++c) v::store(acc[t] + (c0 + c) * v::kLanes, o[c]);
         }
       }
     }
-    alignas(32) float tops[kTile], totals[kTile];
-    _mm256_store_ps(tops, top);
-    _mm256_store_ps(totals, total);
+    alignas(64) float tops[kTile], totals[kTile];
+    v::store(tops, top);
+    v::store(totals, total);
     for (int64_t t = 0; t < count; ++t) {
-      const int64_t row = query_start[s] + (v0 + t) / group, h = kvh * group + (v0 + t) % group;
+      const int64_t row = query_start[s] + (q0 + t) / group, h = kvh * group + (q0 + t) % group;
       float* o = out + (row * heads + h) * D;
       const float inv = 1.f / totals[t];
       for (int64_t d = 0; d < D; ++d) o[d] = acc[t][d] * inv;

@@ -9,9 +9,9 @@
 namespace conveyor {
 
 // e^x for 8 floats (relative error ~1e-7, as expf); very negative x gives 0, very large inf.
-inline __m256 exp8(__m256 x) { return f32::exp(x); }
+inline __m256 exp8(__m256 x) { return avx2::exp(x); }
 
 // silu(x) = x / (1 + e^-x) for 8 floats, as torch computes it but for `exp8`'s rounding.
-inline __m256 silu8(__m256 x) { return f32::silu(x); }
+inline __m256 silu8(__m256 x) { return avx2::silu(x); }
 
 }  // namespace conveyor

@@ -1,16 +1,17 @@
-// float32 vectors of the instruction set a kernel is built for: AVX2's 8 lanes, or with
-// CONVEYOR_AVX512 defined AVX-512's 16. A kernel written on these runs the same operations on
-// each lane whichever it is built for, so both builds give the same results bit for bit. Also
-// e^x and SiLU on them.
+// float32 vectors: AVX2's 8 lanes (namespace conveyor::avx2) and, built with CONVEYOR_AVX512
+// defined, AVX-512's 16 (conveyor::avx512). conveyor::f32 names the widest the build has. A
+// kernel written on f32 runs the same operations on each lane whichever it is built for, so
+// both builds give the same results bit for bit. Also e^x and SiLU on them (simd_f32_math.h),
+// and lane masks (`Mask`: a compare's result, which lanes to keep).
 #pragma once
 
 #include <immintrin.h>
 
 #include <cstdint>
 
-namespace conveyor::f32 {
-
 #ifdef CONVEYOR_AVX512
+namespace conveyor::avx512 {
+
 using Vec = __m512;
 using Ints = __m512i;
 constexpr int64_t kLanes = 16;
@@ -42,7 +43,25 @@ inline Ints sub_ints(Ints a, Ints b) { return _mm512_sub_epi32(a, b); }
 inline Ints add_ints(Ints a, Ints b) { return _mm512_add_epi32(a, b); }
 inline Ints set1_ints(int32_t x) { return _mm512_set1_epi32(x); }
 inline Vec exponent_bits(Ints biased) { return _mm512_castsi512_ps(_mm512_slli_epi32(biased, 23)); }
-#else
+using Mask = __mmask16;
+inline Mask less_equal(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
+inline Mask not_equal(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_NEQ_UQ); }
+inline Mask both(Mask a, Mask b) { return a & b; }
+// lane by lane: a where the mask is set, else b
+inline Vec select(Mask m, Vec a, Vec b) { return _mm512_mask_blend_ps(m, b, a); }
+inline Vec zero_unless(Mask m, Vec a) { return _mm512_maskz_mov_ps(m, a); }
+
+#include "simd_f32_math.h"
+
+}  // namespace conveyor::avx512
+
+namespace conveyor {
+namespace f32 = avx512;
+}
+#endif
+
+namespace conveyor::avx2 {
+
 using Vec = __m256;
 using Ints = __m256i;
 constexpr int64_t kLanes = 8;
@@ -67,35 +86,19 @@ inline Ints sub_ints(Ints a, Ints b) { return _mm256_sub_epi32(a, b); }
 inline Ints add_ints(Ints a, Ints b) { return _mm256_add_epi32(a, b); }
 inline Ints set1_ints(int32_t x) { return _mm256_set1_epi32(x); }
 inline Vec exponent_bits(Ints biased) { return _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)); }
+using Mask = __m256;  // all bits of a lane set or none
+inline Mask less_equal(Vec a, Vec b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
+inline Mask not_equal(Vec a, Vec b) { return _mm256_cmp_ps(a, b, _CMP_NEQ_UQ); }
+inline Mask both(Mask a, Mask b) { return _mm256_and_ps(a, b); }
+inline Vec select(Mask m, Vec a, Vec b) { return _mm256_blendv_ps(b, a, m); }
+inline Vec zero_unless(Mask m, Vec a) { return _mm256_and_ps(m, a); }
+
+#include "simd_f32_math.h"
+
+}  // namespace conveyor::avx2
+
+#ifndef CONVEYOR_AVX512
+namespace conveyor {
+namespace f32 = avx2;
+}
 #endif
-
-// 2^n for integral n in [-150, 128], as two factors that are each a normal float.
-inline Vec pow2(Vec n) {
-  const Ints half = to_ints(mul(n, set1(0.5f)));
-  const Ints rest = sub_ints(to_ints(n), half);
-  const Ints bias = set1_ints(127);
-  return mul(exponent_bits(add_ints(half, bias)), exponent_bits(add_ints(rest, bias)));
-}
-
-// e^x: 2^n * 2^f with f in [-0.5, 0.5], 2^f by its Taylor series to degree 7 (relative error
-// ~1e-7, as expf); very negative x gives 0, very large x gives inf.
-inline Vec exp(Vec x) {
-  x = min(max(x, set1(-103.f)), set1(89.f));
-  const Vec t = mul(x, set1(1.44269504088896341f));
-  const Vec n = round_even(t);
-  const Vec f = sub(t, n);
-  Vec p = set1(1.5252733804059841e-05f);
-  p = fmadd(p, f, set1(1.5403530393381610e-04f));
-  p = fmadd(p, f, set1(1.3333558146428443e-03f));
-  p = fmadd(p, f, set1(9.6181291076284772e-03f));
-  p = fmadd(p, f, set1(5.5504108664821580e-02f));
-  p = fmadd(p, f, set1(2.4022650695910071e-01f));
-  p = fmadd(p, f, set1(6.9314718055994531e-01f));
-  p = fmadd(p, f, set1(1.f));
-  return mul(p, pow2(n));
-}
-
-// silu(x) = x / (1 + e^-x), as torch computes it but for `exp`'s rounding.
-inline Vec silu(Vec x) { return div(x, add(set1(1.f), exp(negate(x)))); }
-
-}  // namespace conveyor::f32

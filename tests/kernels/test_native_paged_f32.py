@@ -1,6 +1,6 @@
-"""The AVX2 float32 attention kernels (`kernels.native_paged_f32`: decode, prefill, the write of
-a step's K/V) against the reference on the same inputs, and which the compiled backend picks
-in float32."""
+"""The float32 attention kernels (`kernels.native_paged_f32`: decode, prefill, the write of a
+step's K/V; built for AVX2 and, where the CPU has it, for AVX-512) against the reference on the
+same inputs, and which the compiled backend picks in float32."""
 
 from __future__ import annotations
 
@@ -12,6 +12,14 @@ from conveyor.kernels import torch_paged as ref
 from tests.kernels.test_kernels import on_thread_counts, paged_setup, poison_past_contexts
 
 pytestmark = pytest.mark.skipif(not cpu_build.cpu_has_avx2(), reason="this CPU has no AVX2")
+
+# the kernel's builds: each runs where the CPU has its instructions (the other's tests skip)
+ISAS = [
+    pytest.param("avx512", id="avx512",
+                 marks=pytest.mark.skipif(not cpu_build.cpu_has_avx512_f32(),
+                                          reason="no AVX-512 (F, DQ) and FMA")),
+    pytest.param("avx2", id="avx2"),
+]  # fmt: skip
 
 
 def setup(lens, heads, kv_heads, head_dim, seed=0):
@@ -114,8 +122,14 @@ PREFILL_SHAPES = [(8, 4, 64), (4, 4, 128), (6, 2, 64), (16, 1, 64), (4, 2, 16), 
                   (8, 4, 256), (3, 3, 32)]  # fmt: skip
 
 
+def test_each_build_loads_where_the_cpu_has_its_instructions() -> None:
+    want = ["avx512", "avx2"] if cpu_build.cpu_has_avx512_f32() else ["avx2"]
+    assert [isa for isa, _ in native_paged_f32.libraries()] == want
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("heads, kv_heads, head_dim", PREFILL_SHAPES)
-def test_prefill_matches_the_reference(heads, kv_heads, head_dim) -> None:
+def test_prefill_matches_the_reference(heads, kv_heads, head_dim, isa) -> None:
     """Chunks with nothing cached before them and chunks after a cached context, of 1 to 120
     rows: whole tiles of query vectors and partial ones, diagonal blocks partly masked."""
     lens = [40, 17, 300, 1, 16, 29]  # tokens in the cache after this step's chunk
@@ -124,7 +138,7 @@ def test_prefill_matches_the_reference(heads, kv_heads, head_dim) -> None:
                                                             head_dim, seed=3)  # fmt: skip
     assert native_paged_f32.covers(query, k_cache)
     got, lse = native_paged_f32.prefill_attention(
-        query, k_cache, v_cache, tables, starts, lens, 0.2, return_lse=True
+        query, k_cache, v_cache, tables, starts, lens, 0.2, return_lse=True, isa=isa
     )
     want, want_lse = ref.prefill_attention(
         query, k_cache, v_cache, tables, starts, lens, 0.2, return_lse=True
@@ -132,14 +146,36 @@ def test_prefill_matches_the_reference(heads, kv_heads, head_dim) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
     assert torch.equal(native_paged_f32.prefill_attention(
-        query, k_cache, v_cache, tables, starts, lens, 0.2
+        query, k_cache, v_cache, tables, starts, lens, 0.2, isa=isa
     ), got)  # fmt: skip
+
+
+@pytest.mark.skipif(not cpu_build.cpu_has_avx512_f32(), reason="no AVX-512 (F, DQ) and FMA")
+@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (37, 2.0)])
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim",
+    [(8, 4, 64), (12, 4, 64), (6, 2, 96), (16, 1, 32), (4, 4, 128), (8, 2, 256)],
+)
+def test_the_prefill_builds_agree_bit_for_bit(heads, kv_heads, head_dim, window, softcap) -> None:
+    """AVX-512's build tiles 16 query vectors where AVX2's tiles 8, so a query meets other
+    neighbours and blocks (3 query heads a KV head: rows straddle tiles differently); a float32
+    result must not depend on which the CPU has."""
+    lens = [300, 17, 1000, 64, 1]
+    chunks = [300, 5, 200, 64, 1]
+    query, k_cache, v_cache, tables, starts = prefill_setup(lens, chunks, heads, kv_heads,
+                                                            head_dim, seed=7, spread=3)  # fmt: skip
+    got = {isa: native_paged_f32.prefill_attention(query, k_cache, v_cache, tables, starts, lens,
+                                                   0.2, True, window, softcap, isa=isa)
+           for isa in ("avx512", "avx2")}  # fmt: skip
+    assert torch.equal(got["avx512"][0], got["avx2"][0])
+    assert torch.equal(got["avx512"][1], got["avx2"][1])
 
 
 @pytest.mark.parametrize("window, softcap", [(1, None), (16, None), (37, None), (None, 1.5),
                                              (20, 0.5), (5000, 30.0)])  # fmt: skip
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 4, 64), (4, 4, 128), (16, 1, 64)])
-def test_prefill_honours_a_window_and_a_soft_cap(window, softcap, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("isa", ISAS)
+def test_prefill_honours_a_window_and_a_soft_cap(window, softcap, heads, kv_heads, head_dim, isa):
     """Chunks whose rows' windows begin in different blocks of one tile, after cached context
     and from the first position; caps low enough to flatten the scores."""
     lens = [40, 17, 300, 1, 16, 29, 90]
@@ -147,7 +183,7 @@ def test_prefill_honours_a_window_and_a_soft_cap(window, softcap, heads, kv_head
     query, k_cache, v_cache, tables, starts = prefill_setup(lens, chunks, heads, kv_heads,
                                                             head_dim, seed=5, spread=4)  # fmt: skip
     got, lse = native_paged_f32.prefill_attention(
-        query, k_cache, v_cache, tables, starts, lens, 0.2, True, window, softcap
+        query, k_cache, v_cache, tables, starts, lens, 0.2, True, window, softcap, isa=isa
     )
     want, want_lse = ref.prefill_attention(
         query, k_cache, v_cache, tables, starts, lens, 0.2, return_lse=True, window=window,
@@ -194,16 +230,22 @@ def test_what_the_kernel_covers() -> None:
     assert not native_paged_f32.covers(torch.zeros(1, 17, 64), torch.zeros(4, 1, 16, 64))  # 17
 
 
-def test_the_prefill_kernel_runs_where_it_is_faster() -> None:
-    """Heads of up to 64 always; wider ones up to a step's longest context of
-    MAX_WIDE_PREFILL_CONTEXT, past which torch's fused attention runs them."""
+def test_the_prefill_kernel_runs_where_it_is_faster(monkeypatch) -> None:
+    """Heads of up to 64 always; wider ones, with AVX2's build, up to a step's longest context
+    of MAX_WIDE_PREFILL_CONTEXT, past which torch's fused attention runs them; with
+    AVX-512's at any context."""
     longest = native_paged_f32.MAX_WIDE_PREFILL_CONTEXT
+    avx2 = tuple((isa, lib) for isa, lib in native_paged_f32.libraries() if isa == "avx2")
+    monkeypatch.setattr(native_paged_f32, "libraries", lambda: avx2)
     query, k_cache, _, _, _ = setup([5], 8, 4, 64)
     assert native_paged_f32.runs_prefill(query, k_cache, [3, 10 * longest])
     query, k_cache, _, _, _ = setup([5], 8, 4, 128)
     assert native_paged_f32.runs_prefill(query, k_cache, [3, longest])
     assert not native_paged_f32.runs_prefill(query, k_cache, [3, longest + 1])
     assert not native_paged_f32.runs_prefill(query.bfloat16(), k_cache.bfloat16(), [3])
+    avx512 = (("avx512", avx2[0][1]),)  # which build runs is all that is asked here
+    monkeypatch.setattr(native_paged_f32, "libraries", lambda: avx512)
+    assert native_paged_f32.runs_prefill(query, k_cache, [3, 10 * longest])
 
 
 def test_compiled_backend_runs_float32_through_the_kernels(monkeypatch) -> None:
