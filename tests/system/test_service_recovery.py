@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import redis
@@ -14,6 +16,8 @@ import sqlalchemy as sa
 from conveyor.settings import normalize_database_url
 from conveyor.testing import Stack, batch_lines, download, wait_for, write_jsonl
 from tests.system.test_service import submit
+
+T = TypeVar("T")
 
 
 def ledger(stack: Stack) -> sa.Engine:
@@ -63,6 +67,15 @@ def running_shards(stack: Stack, batch_id: str, worker: str, unfinished: bool = 
             return conn.execute(sa.text(query), {"b": batch_id, "w": worker}).scalar_one()
     finally:
         engine.dispose()
+
+
+def settled(read: Callable[[], T], interval: float = 0.5) -> T:
+    """What `read` returns once two reads `interval` seconds apart agree."""
+    last, now = None, read()
+    while now != last:
+        time.sleep(interval)
+        last, now = now, read()
+    return now
 
 
 def wait_results(stack: Stack, batch_id: str, at_least: int, timeout: float = 120) -> int:
@@ -151,10 +164,13 @@ def test_worker_sigkill_mid_batch(stack: Stack, chat_model: Path, tmp_path: Path
         time.sleep(0.05)
     stack.kill("w1")
     # what it had claimed and not finished: a shard whose results were all written when it died
-    # has nothing to run again (the batch may complete before the reconciler would resend it)
-    running = running_shards(stack, batch["id"], "w1", unfinished=True)
+    # has nothing to run again (the batch may complete before the reconciler would resend it).
+    # A COMMIT the server had received when the process died still lands just after: read once
+    # two reads half a second apart agree
+    running, partial = settled(
+        lambda: (running_shards(stack, batch["id"], "w1", True), result_count(stack, batch["id"]))
+    )
     assert running > 0, "w1 died between shards; kill it mid-shard"
-    partial = result_count(stack, batch["id"])
     assert partial < 120, "the batch finished before the kill; make it longer"
     stack.start_worker("w2", chat_model, "--concurrency", "4")
     done = wait_for(api, batch["id"], timeout=240)
