@@ -15,10 +15,11 @@ size 64 (1.0-1.4x after 1,024 cached); at 128, torch's runs contexts past
 `MAX_WIDE_PREFILL_CONTEXT` faster, and runs them (`runs_prefill`). On a CPU with AVX-512 the
 source is built for its 16 lanes too (`libraries`), and that build runs: its prefill gives the
 same results bit for bit as AVX2's, 1.45-1.75x as fast (a 4,096-token step), and outruns
-torch's at every context. Both cover blocks of 16 tokens, the head sizes of `HEAD_DIMS`
-(Phi-3's 96 and Gemma's 256 among them), up to 16 query heads per KV head, a sliding window
-and a soft cap on the scores; `write_kv` copies the step's keys and values into their slots a
-row at a time.
+torch's at every context (1.3-2.1x at head sizes 96-256 and 512-4,096 tokens; measured on an
+Intel Xeon, not on an AMD EPYC, whose 512-bit units are two 256-bit halves). Both cover blocks
+of 16 tokens, the head sizes of `HEAD_DIMS` (Phi-3's 96 and Gemma's 256 among them), up to 16
+query heads per KV head, a sliding window and a soft cap on the scores; `write_kv` copies the
+step's keys and values into their slots a row at a time.
 
 Built with the C++ compiler on first use and cached as `native_paged`'s kernel is
 (`kernels.cpu_build`); `covers` says whether its kernels run these shapes here.
@@ -40,7 +41,7 @@ HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the kernel's instances (csrc/paged_att
 # the longest context in a step up to which AVX2's prefill runs heads wider than 64: past it
 # torch's fused attention, which reads each K/V block for more queries at a time, is faster
 # (at 128 on an AMD EPYC: 1.3-1.8x torch's speed up to 512 tokens, 0.8-0.9x at 1,024 and
-# more). AVX-512's prefill, 16 queries a tile, ran 1.5-1.9x torch's at 512-4,096 tokens.
+# more). AVX-512's prefill, 16 queries a tile, ran 1.3-2.1x torch's at 512-4,096 tokens.
 MAX_WIDE_PREFILL_CONTEXT = 512
 
 
