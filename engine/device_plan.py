@@ -152,11 +152,15 @@ def _fastest_elementwise(
         return EAGER
     if native_layers.covers(hidden, head_dim, intermediate, dtype):
         return NATIVE
+    refused = native_layers.refusal(hidden, head_dim, intermediate, dtype) or (
+        "the native kernels do not take this model here"
+    )
     from conveyor.kernels import compiled_paged
 
     if problem := compiled_paged.compiler_missing():
-        reasons["elementwise"] = problem
+        reasons["elementwise"] = f"{refused}; {problem}"
         return EAGER
+    reasons["elementwise"] = refused
     return COMPILED
 
 

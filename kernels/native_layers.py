@@ -66,15 +66,23 @@ def available(dtype: torch.dtype) -> bool:
 
 def covers(hidden: int, head_dim: int, intermediate: int, dtype: torch.dtype) -> bool:
     """Whether these kernels take a model of these sizes in `dtype` (and built here)."""
+    return refusal(hidden, head_dim, intermediate, dtype) is None
+
+
+def refusal(hidden: int, head_dim: int, intermediate: int, dtype: torch.dtype) -> str | None:
+    """Why these kernels do not take a model of these sizes in `dtype` here, in words; None
+    where they do."""
+    name = str(dtype).removeprefix("torch.")
     if dtype not in _MULTIPLES:
-        return False
+        return f"no native kernels for {name}"
     width, head = _MULTIPLES[dtype]
-    return (
-        hidden % width == 0
-        and intermediate % width == 0
-        and head_dim % head == 0
-        and available(dtype)
-    )
+    if hidden % width or intermediate % width or head_dim % head:
+        return (f"the native {name} kernels take hidden and intermediate sizes of multiples of "
+                f"{width} and head sizes of {head}; this model's are {hidden}, {intermediate} "
+                f"and {head_dim}")  # fmt: skip
+    if not available(dtype):
+        return f"the native {name} kernels do not run on this CPU (or did not build)"
+    return None
 
 
 def _call(name: str, dtype: torch.dtype) -> ctypes._CFuncPtr:

@@ -57,6 +57,18 @@ def test_the_native_kernels_cover_what_they_take():
     )
 
 
+def test_a_model_the_native_kernels_do_not_take_says_why(compiler):
+    """Sizes the kernels' vectors cannot take: compiled loops, and the reason in words."""
+    plan = plan_device(CPU, torch.float32, "torch", hidden=64, head_dim=24, intermediate=128)
+    assert plan.elementwise == "compiled"
+    assert plan.reasons["elementwise"] == (
+        "the native float32 kernels take hidden and intermediate sizes of multiples of 8 and "
+        "head sizes of 16; this model's are 64, 128 and 24"
+    )
+    plan = plan_device(CPU, torch.float16, "torch", **DIMS)
+    assert plan.reasons["elementwise"] == "no native kernels for float16"
+
+
 def test_what_cannot_run_here_is_refused_or_said(monkeypatch):
     monkeypatch.setattr(native_layers, "covers", lambda *_: False)
     with pytest.raises(ValueError, match="elementwise native"):
