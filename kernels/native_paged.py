@@ -79,9 +79,13 @@ def declare(lib: ctypes.CDLL, suffix: str) -> None:
         declare_attention(getattr(lib, f"conveyor_{name}_{suffix}"))
     fn = getattr(lib, f"conveyor_write_kv_{suffix}")
     fn.restype = None
-    # key, its row stride, value, its row stride; slots, caches; tokens, kv heads, head size
+    # key, its row stride, value, its row stride; slots, caches; tokens, kv heads, head size;
+    # threads
     fn.argtypes = (
-        [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+        [ctypes.c_void_p, ctypes.c_int64] * 2
+        + [ctypes.c_void_p] * 3
+        + [ctypes.c_int64] * 3
+        + [ctypes.c_int]
     )
 
 
@@ -142,6 +146,7 @@ def write_rows(
     write(
         key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), tokens, kv_heads, head_dim,
+        torch.get_num_threads(),
     )  # fmt: skip
 
 

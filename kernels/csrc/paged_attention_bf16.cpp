@@ -340,8 +340,8 @@ int conveyor_paged_prefill_bf16(const uint16_t* query, const uint16_t* k_cache,
 void conveyor_write_kv_bf16(const uint16_t* key, int64_t key_stride, const uint16_t* value,
                             int64_t value_stride, const int64_t* slots, uint16_t* k_cache,
                             uint16_t* v_cache, int64_t tokens, int64_t kv_heads,
-                            int64_t head_dim) {
+                            int64_t head_dim, int threads) {
   conveyor::write_kv(key, key_stride, value, value_stride, slots, k_cache, v_cache, tokens,
-                     kv_heads, head_dim);
+                     kv_heads, head_dim, threads);
 }
 }

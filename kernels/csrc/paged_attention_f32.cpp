@@ -412,9 +412,10 @@ int conveyor_paged_prefill_f32(const float* query, const float* k_cache, const f
 // Writes this step's keys and values into their cache slots (kv_slots.h).
 void conveyor_write_kv_f32(const float* key, int64_t key_stride, const float* value,
                            int64_t value_stride, const int64_t* slots, float* k_cache,
-                           float* v_cache, int64_t tokens, int64_t kv_heads, int64_t head_dim) {
+                           float* v_cache, int64_t tokens, int64_t kv_heads, int64_t head_dim,
+                           int threads) {
   conveyor::write_kv(key, key_stride, value, value_stride, slots, k_cache, v_cache, tokens,
-                     kv_heads, head_dim);
+                     kv_heads, head_dim, threads);
 }
 
 }  // extern "C"

@@ -215,6 +215,24 @@ def test_write_kv_fills_the_slots_as_the_reference() -> None:
     assert k_cache.count_nonzero() == 5 * 2 * 64
 
 
+def test_write_kv_of_a_prompt_on_any_number_of_threads() -> None:
+    """A prompt's consecutive slots from the middle of a block, 16 tokens a task, the heads
+    one after the other: the reference's cache however many threads share the tasks."""
+    g = torch.Generator().manual_seed(3)
+    key, value = torch.randn(2, 100, 4, 32, generator=g)
+    slots = torch.arange(7, 107)
+    want_k, want_v = torch.zeros(2, 8, 4, 16, 32)
+    ref.write_kv(key, value, want_k, want_v, slots)
+
+    def write() -> tuple[torch.Tensor, torch.Tensor]:
+        k_cache, v_cache = torch.zeros(2, 8, 4, 16, 32)
+        native_paged_f32.write_kv(key, value, k_cache, v_cache, slots)
+        return k_cache, v_cache
+
+    for k_cache, v_cache in on_thread_counts(write).values():
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
 def test_decode_takes_no_rows() -> None:
     query, k_cache, v_cache, tables, context = setup([5], 8, 4, 64)
     out = native_paged_f32.decode_attention(query[:0], k_cache, v_cache, tables[:0], context[:0], 1)
