@@ -88,7 +88,10 @@ class ResultWriter(threading.Thread):
         self.ledger = ledger
         self.heartbeat_timeout = heartbeat_timeout  # for batches completed here
         self.max_rows, self.max_delay = max_rows, max_delay
-        self.items: queue.SimpleQueue[WriteItem] = queue.SimpleQueue()
+        # a Queue, not a SimpleQueue: CPython's SimpleQueue.get(timeout=...) waits forever once
+        # a signal interrupts it past its deadline (a SIGTERM to this thread after SIGSTOP and
+        # SIGCONT), and then stop() never ends this thread
+        self.items: queue.Queue[WriteItem] = queue.Queue()
         self.stopped = threading.Event()
         self.received = 0
         self.committed = 0  # rows settled: stored, or replaced by their error lines

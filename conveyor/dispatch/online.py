@@ -243,7 +243,7 @@ class LocalBus:
         self.requests: dict[str, queue.Queue[OnlineMessage]] = {}
         self.replies: dict[str, Replies] = {}
         self.consumers: dict[str, int] = {}
-        self.cancel_feeds: list[queue.SimpleQueue[str]] = []
+        self.cancel_feeds: list[queue.Queue[str]] = []
         self.slots = LocalSlots()
         self.rate = LocalRate()
 
@@ -298,7 +298,8 @@ class LocalBus:
             feed.put(message.request_id)
 
     def cancellations(self, stopped: threading.Event) -> Iterator[str]:
-        feed: queue.SimpleQueue[str] = queue.SimpleQueue()
+        # a Queue, not a SimpleQueue, for its get with a timeout (worker/writer.py says why)
+        feed: queue.Queue[str] = queue.Queue()
         with self.lock:
             self.cancel_feeds.append(feed)
         try:
