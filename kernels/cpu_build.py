@@ -120,6 +120,17 @@ def load_avx512_f32(source: Path, fallback: str) -> ctypes.CDLL | None:
     return _load(source, AVX512_F32_FLAGS, fallback)
 
 
+def load_f32_builds(source: Path, what: str, fallback: str) -> list[tuple[str, ctypes.CDLL | None]]:
+    """A float32 kernel written on csrc/simd_f32.h, built for AVX-512's 16 lanes and for AVX2's
+    8: each build's instruction set and library (None where it cannot be built or run here),
+    the wider first. `what` names the kernel where only its AVX2 build loads; `fallback` says
+    what runs where neither does."""
+    return [
+        ("avx512", load_avx512_f32(source, f"{what} uses its AVX2 build")),
+        ("avx2", load_avx2(source, fallback)),
+    ]
+
+
 def _load(source: Path, flags: tuple[str, ...], fallback: str) -> ctypes.CDLL | None:
     compiler = cxx()
     if compiler is None:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from conveyor.kernels.cpu_build import load_amx, load_avx2, load_avx512_bf16, load_avx512_f32
+from conveyor.kernels.cpu_build import load_amx, load_avx512_bf16, load_f32_builds
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,7 @@ def kernels(dtype: torch.dtype) -> tuple[tuple[str, Callable[..., None]], ...]:
     fallback = "experts run as grouped products"
     found: list[tuple[str, ctypes.CDLL | None]] = []
     if dtype == torch.float32:  # one source: AVX-512's 16 lanes where the CPU has them
-        found.append(("avx512", load_avx512_f32(SOURCES["avx512"], "experts use AVX2's kernel")))
-        found.append(("avx2", load_avx2(SOURCES["avx2"], fallback)))
+        found += load_f32_builds(SOURCES["avx512"], "the experts kernel", fallback)
     elif dtype == torch.bfloat16:
         amx = load_amx(SOURCES["amx"], fallback)
         if amx is not None and not amx.conveyor_amx_ready():

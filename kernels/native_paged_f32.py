@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from conveyor.kernels import native_paged
-from conveyor.kernels.cpu_build import load_avx2, load_avx512_f32
+from conveyor.kernels.cpu_build import load_f32_builds
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_f32.cpp"
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the kernel's instances (csrc/paged_attention_f32.cpp)
@@ -61,10 +61,7 @@ def libraries() -> tuple[tuple[str, ctypes.CDLL], ...]:
     AVX-512's 16 lanes (its prefill's tiles 16 query vectors) and for AVX2's 8; none where
     none can be built or run here."""
     fallback = "float32 attention uses the inductor decode and torch's prefill"
-    found = [
-        ("avx512", load_avx512_f32(SOURCE, "float32 attention uses AVX2's kernels")),
-        ("avx2", load_avx2(SOURCE, fallback)),
-    ]
+    found = load_f32_builds(SOURCE, "float32 attention", fallback)
     for _, lib in found:
         if lib is not None:
             native_paged.declare(lib, "f32")
