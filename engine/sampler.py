@@ -217,7 +217,7 @@ def _among_most_likely(logits, top_k, top_p, n):
     probs = (kept - norm[:, None]).exp()
     reached = probs.cumsum(dim=-1)
     settled = ~whole | (reached[:, -1] >= top_p)
-    drop |= ((reached - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    drop |= _past_nucleus(probs, reached, top_p)
     out = torch.full_like(logits, float("-inf"))
     return settled, out.scatter_(1, index, values.masked_fill(drop, float("-inf")))
 
@@ -231,11 +231,16 @@ def _sorted_top_k_top_p(
     ranks = torch.arange(vocab, device=logits.device)
     drop = ranks[None, :] >= top_k[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    # drop a token once the tokens ranked above it already reach top_p (keep at least one); a
-    # top_p of 1 drops none (a float32 sum can round up to 1 before the last of the tokens)
-    drop |= ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    drop |= _past_nucleus(probs, probs.cumsum(dim=-1), top_p)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _past_nucleus(probs: torch.Tensor, reached: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Which of each row's tokens, most likely first (`probs`, and `reached` their cumulative
+    sums), top-p drops: those whose more likely tokens already reach p, so that at least one
+    stays. A top_p of 1 drops none (a float32 sum can round up to 1 before the last token)."""
+    return ((reached - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
 
 
 def first_max_index(x: torch.Tensor) -> torch.Tensor:
