@@ -27,7 +27,7 @@ from datetime import date
 
 from engine_vs_hf import Workload, make_workload
 from machine import cpu_isa, git_state
-from random_llama import BenchModel, add_model_arguments, add_run_arguments, set_up
+from random_llama import BenchModel, parse_rounds, rounds_parser, set_up
 from report import print_result, rule, table
 
 from conveyor.engine import LLM, SamplingParams
@@ -61,19 +61,9 @@ def same_alone(llm: LLM, workload: Workload, outputs: list) -> bool:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_arguments(ap, max_positions=1024)
-    add_run_arguments(ap)
-    ap.add_argument("--requests", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = rounds_parser(__doc__.split("\n\n")[0], rounds=5)
     ap.add_argument("--dtype", default="auto", help="both engines' dtype (default: theirs)")
-    ap.add_argument("--quick", action="store_true", help="32 requests, one round")
-    ap.set_defaults(skip_hf=True)
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.requests, args.rounds = 32, 1
-    return args
+    return parse_rounds(ap, argv)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -41,7 +41,7 @@ from datetime import date
 import torch
 from engine_vs_hf import Workload, make_workload, run_hf, time_linear
 from machine import cpu_isa, git_state, loadavg
-from random_llama import BenchModel, ModelShape, add_model_arguments, add_run_arguments, set_up
+from random_llama import BenchModel, ModelShape, parse_rounds, rounds_parser, set_up
 from report import print_result, rule, table
 
 from conveyor.engine import LLM, SamplingParams
@@ -126,19 +126,9 @@ def run_round(args, m: BenchModel, llm: LLM, hf, seed: int) -> Round:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_arguments(ap, max_positions=1024)
-    add_run_arguments(ap)
-    ap.add_argument("--requests", type=int, default=128)
+    ap = rounds_parser(__doc__.split("\n\n")[0], rounds=3)
     ap.add_argument("--hf-batch", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="32 requests, 1 round")
-    ap.set_defaults(skip_hf=True)
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.requests, args.rounds = 32, 1
-    return args
+    return parse_rounds(ap, argv)
 
 
 def main(argv: list[str] | None = None) -> dict:

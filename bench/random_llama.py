@@ -59,6 +59,28 @@ def add_run_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--block-size", type=int, default=16)
 
 
+def rounds_parser(description: str, rounds: int) -> argparse.ArgumentParser:
+    """The arguments of a bench that times the engine on rounds of new requests to the random
+    model (transformers not loaded): the model's and the run's, --requests (128), --rounds,
+    --seed and --quick (32 requests, one round: `parse_rounds` applies it)."""
+    ap = argparse.ArgumentParser(description=description)
+    add_model_arguments(ap, max_positions=1024)
+    add_run_arguments(ap)
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="32 requests, one round")
+    ap.set_defaults(skip_hf=True)
+    return ap
+
+
+def parse_rounds(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.requests, args.rounds = 32, 1
+    return args
+
+
 def model_overrides(args: argparse.Namespace) -> dict:
     return dict(
         hidden_size=args.hidden_size,

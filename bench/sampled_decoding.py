@@ -24,7 +24,7 @@ from datetime import date
 
 from engine_vs_hf import make_workload
 from machine import cpu_isa, git_state
-from random_llama import add_model_arguments, add_run_arguments, set_up
+from random_llama import parse_rounds, rounds_parser, set_up
 from report import print_result, rule, table
 
 from conveyor.engine import LLM, SamplingParams
@@ -38,18 +38,7 @@ SETTINGS = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_arguments(ap, max_positions=1024)
-    add_run_arguments(ap)
-    ap.add_argument("--requests", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--quick", action="store_true", help="32 requests, one round")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.set_defaults(skip_hf=True)
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.requests, args.rounds = 32, 1
-    return args
+    return parse_rounds(rounds_parser(__doc__.split("\n\n")[0], rounds=2), argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
