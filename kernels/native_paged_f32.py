@@ -61,11 +61,11 @@ def libraries() -> tuple[tuple[str, ctypes.CDLL], ...]:
     AVX-512's 16 lanes (its prefill's tiles 16 query vectors) and for AVX2's 8; none where
     none can be built or run here."""
     fallback = "float32 attention uses the inductor decode and torch's prefill"
-    found = load_f32_builds(SOURCE, "float32 attention", fallback)
+    builds = load_f32_builds(SOURCE, "float32 attention", fallback)
+    found = tuple((isa, lib) for isa, lib in builds if lib is not None)
     for _, lib in found:
-        if lib is not None:
-            native_paged.declare(lib, "f32")
-    return tuple((isa, lib) for isa, lib in found if lib is not None)
+        native_paged.declare(lib, "f32")
+    return found
 
 
 def _library() -> ctypes.CDLL | None:
