@@ -1,7 +1,8 @@
 """A mixture-of-experts model through the engine against transformers' `generate` at its best
 static batch size: a random-weight Qwen3-MoE shaped as Qwen3-30B-A3B scaled down to fit a small
-machine (64 experts, 8 per token, as 128/8 there), greedy, in the dtype the engine picks on its
-defaults (bfloat16 on a CPU with fast bfloat16 products) for both, same threads, one process.
+machine (64 experts, 8 per token, as 128/8 there), saved in bfloat16 as that model ships
+(`--checkpoint-dtype`), greedy, in the dtype the engine picks on its defaults (bfloat16 on a CPU
+with fast bfloat16 products, else float32) for both, same threads, one process.
 transformers runs its own grouped-product experts (its default `grouped_mm`); the engine runs
 its plan's (on an x86 CPU its own kernels, `kernels/native_experts.py`; `--experts grouped`
 runs the same grouped products as transformers, so that the ratio is the engine's paging,
@@ -53,6 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
         help="the engine's dtype (auto: its default on this machine); transformers runs in it",
     )  # fmt: skip
+    ap.add_argument(
+        "--checkpoint-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+        help="the dtype the random checkpoint is saved in (bfloat16: as real ones ship)",
+    )  # fmt: skip
     ap.add_argument("--experts", default="auto", choices=["auto", "native", "grouped"],
                     help="how the engine runs the experts (auto: its plan's choice)")  # fmt: skip
     ap.add_argument("--hidden-size", type=int, default=512)
@@ -81,6 +86,7 @@ def write_model(args: argparse.Namespace, root: Path) -> Path:
         num_experts_per_tok=args.experts_per_token,
         moe_intermediate_size=args.moe_intermediate_size, intermediate_size=4 * args.hidden_size,
         tie_word_embeddings=False, max_position_embeddings=1024, init_std=0.02,
+        dtype=args.checkpoint_dtype,
     )  # fmt: skip
 
 
@@ -125,6 +131,7 @@ def summarize(
         "bench": "moe_vs_hf",
         "quick": args.quick,
         "dtype": dtype,
+        "checkpoint_dtype": args.checkpoint_dtype,
         "experts": args.num_experts,
         "experts_per_token": args.experts_per_token,
         "layers": args.num_layers,

@@ -125,9 +125,11 @@ def write_tiny_model(
     with_tokenizer: bool = True,
     init_std: float = 0.08,
     seed: int = 0,
+    dtype: str = "float32",
     **config_overrides: Any,
 ) -> Path:
-    """Save a random-weight `arch` model (and tokenizer) under `path` and return the path."""
+    """Save a random-weight `arch` model (and tokenizer) under `path` and return the path; its
+    weights drawn in float32 and saved in `dtype` (real checkpoints ship in bfloat16)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -159,7 +161,7 @@ def write_tiny_model(
     model.generation_config = GenerationConfig(
         eos_token_id=eos, pad_token_id=eos[-1], do_sample=False
     )
-    model.save_pretrained(path, safe_serialization=True)
+    model.to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     return path

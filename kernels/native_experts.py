@@ -20,7 +20,11 @@ rows (its sums run in k order whatever its tile), so batch-invariant mode runs t
 Each kernel reads its own layout of the weights (`layout`), made once at load and read front to
 back: float32 in strips of 16 columns, k-major within a strip (`[E, N / 16, K, 16]`); bfloat16
 in strips of 32 columns in pairs of k (`[E, N / 32, K / 2, 32, 2]`), the operand of the CPU's
-bfloat16 dot product and of AMX's tiles. Nothing else reads them.
+bfloat16 dot product and of AMX's tiles. Nothing else reads them. float32 weights whose every
+value is a bfloat16 one (a checkpoint saved in bfloat16, as checkpoints ship, run in float32)
+keep float32's strips in bfloat16 (`compact`): the kernel widens each to its float32 value as
+it reads it, so its results are the same bit for bit and a step of few tokens, which is the
+weights' reads from memory, reads half the bytes.
 
 Built and cached like the other CPU kernels (`kernels.cpu_build`).
 """
@@ -47,11 +51,14 @@ _MULTIPLES = {"avx512": (16, 8), "avx2": (16, 8), "avx512_bf16": (32, 32), "amx"
 
 
 @functools.cache
-def kernels(dtype: torch.dtype) -> tuple[tuple[str, Callable[..., None]], ...]:
-    """The kernels that run `dtype` here, fastest first: each one's instruction set and
-    function, built and loaded; none where none can be built or run here. bfloat16 runs on the
-    tile unit where the CPU has AMX and Linux lends it to the process, and on AVX512-BF16's dot
-    products."""
+def kernels(
+    dtype: torch.dtype, weights: torch.dtype | None = None
+) -> tuple[tuple[str, Callable[..., None]], ...]:
+    """The kernels that run `dtype` here (with weights stored in `weights`, by default
+    `dtype`), fastest first: each one's instruction set and function, built and loaded; none
+    where none can be built or run here. bfloat16 runs on the tile unit where the CPU has AMX
+    and Linux lends it to the process, and on AVX512-BF16's dot products."""
+    weights = weights or dtype
     fallback = "experts run as grouped products"
     found: list[tuple[str, ctypes.CDLL | None]] = []
     if dtype == torch.float32:  # one source: AVX-512's 16 lanes where the CPU has them
@@ -67,7 +74,7 @@ def kernels(dtype: torch.dtype) -> tuple[tuple[str, Callable[..., None]], ...]:
     loaded = []
     for isa, lib in found:
         if lib is not None:
-            fn = getattr(lib, FUNCTIONS[isa])
+            fn = getattr(lib, FUNCTIONS[isa] + ("_bf16_weights" if weights != dtype else ""))
             fn.argtypes, fn.restype = ARGUMENTS[dtype], None
             loaded.append((isa, fn))
     return tuple(loaded)
@@ -97,22 +104,32 @@ def covers(dtype: torch.dtype, hidden: int, inter: int) -> bool:
     return hidden % h == 0 and inter % i == 0
 
 
-def layout(weight: torch.Tensor) -> torch.Tensor:
+def layout(weight: torch.Tensor, compact: bool = False) -> torch.Tensor:
     """[E, N, K] (torch's linear weights, stacked) as the kernel of its dtype reads them: in
-    float32 as strips of 16 columns, `[E, N / 16, K, 16]`; in bfloat16 as strips of 32 columns
-    in pairs of k, `[E, N / 32, K / 2, 32, 2]`."""
+    float32 as strips of 16 columns, `[E, N / 16, K, 16]`, stored in bfloat16 with `compact`
+    (each value must be a bfloat16 one: `exactly_bfloat16`); in bfloat16 as strips of 32
+    columns in pairs of k, `[E, N / 32, K / 2, 32, 2]`."""
     e, n, k = weight.shape
     if weight.dtype == torch.float32:
-        return weight.view(e, n // 16, 16, k).transpose(2, 3).contiguous()
+        strips = weight.view(e, n // 16, 16, k).transpose(2, 3)
+        return strips.to(torch.bfloat16).contiguous() if compact else strips.contiguous()
     return weight.view(e, n // 32, 32, k // 2, 2).transpose(2, 3).contiguous()
+
+
+def exactly_bfloat16(weight: torch.Tensor) -> bool:
+    """Whether every value of float32 `weight` is a bfloat16 one (its low 16 bits zero), so
+    that storing it in bfloat16 loses nothing."""
+    bits = weight.detach().reshape(-1).view(torch.int32)
+    chunk = 1 << 24  # a pass of 64 MB at a time: no copy the size of a layer's experts
+    return not any((bits[i : i + chunk] & 0xFFFF).any() for i in range(0, bits.numel(), chunk))
 
 
 def routed_experts(
     x: torch.Tensor,  # [T, hidden]
     top_index: torch.Tensor,  # [T, k]: each token's experts
     top_weights: torch.Tensor,  # [T, k]: their routing weights (float32, or bfloat16 for x's)
-    gate_up: torch.Tensor,  # `layout` of [E, 2 * inter, hidden]
-    down: torch.Tensor,  # `layout` of [E, hidden, inter]
+    gate_up: torch.Tensor,  # `layout` of [E, 2 * inter, hidden] (float32's `compact` or not)
+    down: torch.Tensor,  # `layout` of [E, hidden, inter], as gate_up
     inter: int,
     isa: str | None = None,
 ) -> torch.Tensor:
@@ -126,12 +143,13 @@ def routed_experts(
         assert top_weights.dtype == torch.float32
     else:
         assert top_weights.dtype in (torch.float32, torch.bfloat16)
-    assert gate_up.is_contiguous() and down.is_contiguous()
+    assert gate_up.is_contiguous() and down.is_contiguous() and gate_up.dtype == down.dtype
     x, weights = x.contiguous(), top_weights.contiguous()
     index = top_index.to(torch.int64).contiguous()
     outs = torch.empty(tokens * k, hidden, dtype=dtype)
     out = torch.empty(tokens, hidden, dtype=dtype)
-    run = kernels(dtype)[0][1] if isa is None else dict(kernels(dtype))[isa]
+    found = kernels(dtype, gate_up.dtype)
+    run = found[0][1] if isa is None else dict(found)[isa]
     flag = () if dtype == torch.float32 else (weights.dtype == torch.float32,)
     run(
         x.data_ptr(), index.data_ptr(), weights.data_ptr(), *flag, gate_up.data_ptr(),

@@ -142,14 +142,19 @@ class Experts(RowTiled, RunsActivation, RunsExperts, nn.Module):
         (an x86 CPU), with SiLU, for sizes it takes. The first time, the weights are laid out
         as the kernel reads them, in place; it runs every step from then on (its rows' results
         never depend on the step's other rows, so batch-invariant mode too). The kernel takes
-        the whole routed layer."""
+        the whole routed layer. float32 weights that are all bfloat16 values (a bfloat16
+        checkpoint run in float32) are kept in bfloat16, half the bytes, the same results."""
         if not (self.kernel == NATIVE and self.activation == "silu"):
             return False
         if not self.native_layout:
             if not native_experts.covers(dtype, hidden, self.inter):
                 return False
-            for weight in (self.gate_up, self.down):
-                weight.data = native_experts.layout(weight.data)
+            weights = (self.gate_up, self.down)
+            compact = dtype == torch.float32 and all(
+                native_experts.exactly_bfloat16(w) for w in weights
+            )
+            for weight in weights:
+                weight.data = native_experts.layout(weight.data, compact)
             self.native_layout = True
         return True
 

@@ -14,6 +14,7 @@ namespace conveyor {
 
 struct Bf16Elementwise {
   using Element = uint16_t;
+  using Weight = uint16_t;
   static constexpr int64_t kColumns = 32;  // a strip of the weights' layout
 
   void silu_mul(uint16_t* h, int64_t rows, int64_t inter, int64_t c0, int64_t c1) {

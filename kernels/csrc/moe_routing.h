@@ -29,9 +29,10 @@ inline int64_t parts_of(int64_t strips, int64_t experts, int threads) {
   return std::max<int64_t>(1, std::min(wanted, strips));
 }
 
-// Kernel: its Element (the dtype's storage) and kColumns (the columns a task's share is a
-// multiple of); begin() and end() around a thread's products; product(a, lda, b, n_dim, c, ldc,
-// rows, padded, k_dim, n0, n1): c[m, n] = sum_k a[m, k] * b[k, n] for m < rows and n in
+// Kernel: its Element (the dtype's storage), Weight (the weights' storage: Element, or bfloat16
+// values for float32's) and kColumns (the columns a task's share is a multiple of); begin()
+// and end() around a thread's products; product(a, lda, b, n_dim, c, ldc, rows, padded, k_dim,
+// n0, n1): c[m, n] = sum_k a[m, k] * b[k, n] for m < rows and n in
 // [n0, n1), a [padded, k_dim] rows `lda` apart (padded: rows in whole tiles, those past `rows`
 // zero, read or not, their results dropped), b one expert's weight of n_dim columns in the
 // kernel's layout; silu_mul(h, rows, inter, c0, c1): in place over columns [c0, c1) of each
@@ -43,9 +44,10 @@ inline int64_t parts_of(int64_t strips, int64_t experts, int threads) {
 // else bfloat16; gate_up [E, hidden, 2 * inter] and down [E, inter, hidden] (each expert's
 // weight in the kernel's layout); outs [tokens * k, hidden] scratch (each pair's expert output,
 // in expert order); result [tokens, hidden].
-template <class Kernel, class Element = typename Kernel::Element>
+template <class Kernel, class Element = typename Kernel::Element,
+          class Weight = typename Kernel::Weight>
 void routed_experts(const Element* x, const int64_t* top_index, const void* weights,
-                    bool weights_f32, const Element* gate_up, const Element* down, Element* outs,
+                    bool weights_f32, const Weight* gate_up, const Weight* down, Element* outs,
                     Element* result, int64_t tokens, int64_t k, int64_t experts, int64_t hidden,
                     int64_t inter, int threads) {
   const int64_t pairs = tokens * k;
@@ -85,7 +87,7 @@ void routed_experts(const Element* x, const int64_t* top_index, const void* weig
   auto up = [&](Kernel& kernel, int64_t e, const Element* rows, Element* h, int64_t c0,
                 int64_t c1) {
     const int64_t n = starts[e + 1] - starts[e], padded = whole_tiles(n);
-    const Element* w = gate_up + e * hidden * 2 * inter;
+    const Weight* w = gate_up + e * hidden * 2 * inter;
     if (c0 == 0 && c1 == inter) {  // all of gate and up: one product (inter need not be cut)
       kernel.product(rows, hidden, w, 2 * inter, h, 2 * inter, n, padded, hidden, 0, 2 * inter);
     } else {

@@ -16,6 +16,11 @@ using Vec = __m512;
 using Ints = __m512i;
 constexpr int64_t kLanes = 16;
 inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+// 16 bfloat16 values (each a float32's upper 16 bits) as the float32 values they are, exactly
+inline Vec load(const uint16_t* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
 inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 // the first n lanes (the rest of a load zero; of a store untouched)
 inline Vec load_first(const float* p, int64_t n) {
@@ -66,6 +71,11 @@ using Vec = __m256;
 using Ints = __m256i;
 constexpr int64_t kLanes = 8;
 inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+// 8 bfloat16 values (each a float32's upper 16 bits) as the float32 values they are, exactly
+inline Vec load(const uint16_t* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec set1(float x) { return _mm256_set1_ps(x); }
 inline Vec broadcast(const float* p) { return _mm256_broadcast_ss(p); }

@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from conveyor.engine import LLM
+from conveyor.engine import LLM, SamplingParams
 from conveyor.engine.models import moe
 from conveyor.engine.models.decoder import MLP
 from conveyor.kernels import native_experts
-from tests.hf_reference import hf_model
+from tests.hf_reference import hf_greedy, hf_model, random_prompts
 
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -65,6 +65,30 @@ def test_each_moe_block_equals_transformers(checkpoints, arch, dtype, monkeypatc
             else:
                 assert torch.equal(got, want)
         assert len(calls) == (len(pairs) if native else 0)
+
+
+def test_a_bfloat16_checkpoint_computing_in_float32_keeps_its_experts_in_bfloat16(
+    checkpoints, tmp_path
+):
+    """A checkpoint saved in bfloat16 (as they ship) run in float32: on an x86 CPU the experts'
+    weights stay in bfloat16, half the bytes, widened to their float32 values as the kernel
+    reads them, and greedy output equals transformers' from the same checkpoint in float32. A
+    float32 checkpoint's experts stay float32."""
+    path = shutil.copytree(checkpoints["qwen3_moe"], tmp_path / "m")
+    weights = load_file(path / "model.safetensors")
+    save_file({n: w.bfloat16() for n, w in weights.items()}, path / "model.safetensors")
+    prompts = random_prompts(3, 5, 60, seed=4)
+    for checkpoint, kept in ((path, torch.bfloat16), (checkpoints["qwen3_moe"], torch.float32)):
+        llm = LLM(str(checkpoint), device="cpu", dtype="float32", max_num_batched_tokens=32)
+        params = SamplingParams(temperature=0, max_tokens=6)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        for prompt, out in zip(prompts, outputs, strict=True):
+            assert out.outputs[0].token_ids == hf_greedy(checkpoint, prompt, 6)
+        experts = [layer.mlp.experts for layer in llm.runner.model.model.layers]
+        if llm.plan.experts == "native":
+            assert {(e.gate_up.dtype, e.down.dtype) for e in experts} == {(kept, kept)}
+        else:  # where the kernel does not run, the weights are float32 as loaded
+            assert {e.gate_up.dtype for e in experts} == {torch.float32}
 
 
 def test_grouped_products_equal_one_product_per_expert():

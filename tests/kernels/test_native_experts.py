@@ -150,11 +150,53 @@ def test_the_float32_kernels_agree_bit_for_bit(hidden, inter, tokens) -> None:
     assert torch.equal(got["avx512"], got["avx2"])
 
 
+F32_KERNELS = [k for k in KERNELS if k.values[0] == torch.float32]
+
+
+@pytest.mark.parametrize("dtype, isa", F32_KERNELS)
+@pytest.mark.parametrize("experts, threads", [(6, 1), (2, 2), (16, 2)])
+@pytest.mark.parametrize("tokens", [1, 37, 300])
+def test_float32_weights_kept_in_bfloat16_give_the_same_results(
+    dtype, isa, experts, threads, tokens, monkeypatch
+):
+    """float32 weights whose values are all bfloat16 ones (a bfloat16 checkpoint computing in
+    float32), stored in bfloat16 and widened as the kernel reads them: the same results bit for
+    bit as from their float32 storage, whole experts a thread or parts of them, every tile."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(tokens + experts)
+    hidden, inter, k = 64, 24, 2
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.125).bfloat16().float()
+    down = (torch.randn(experts, hidden, inter, generator=g) * 0.2).bfloat16().float()
+    assert native_experts.exactly_bfloat16(gate_up) and native_experts.exactly_bfloat16(down)
+    x = torch.randn(tokens, hidden, generator=g)
+    index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=g)
+
+    def run(compact: bool) -> torch.Tensor:
+        packed = [native_experts.layout(w, compact) for w in (gate_up, down)]
+        assert packed[0].dtype == (torch.bfloat16 if compact else torch.float32)
+        return native_experts.routed_experts(x, index, weights, *packed, inter, isa)
+
+    assert torch.equal(run(compact=True), run(compact=False))
+
+
+def test_exactly_bfloat16_means_every_value() -> None:
+    w = torch.randn(3, 40, 16).bfloat16().float()
+    assert native_experts.exactly_bfloat16(w)
+    w[2, 39, 15] += 2.0**-20  # one value past bfloat16's 8 bits of mantissa
+    assert not native_experts.exactly_bfloat16(w)
+    assert not native_experts.exactly_bfloat16(torch.randn(100))
+
+
 def test_the_weights_layout_is_each_kernels() -> None:
     w = torch.arange(2 * 32 * 6, dtype=torch.float32).view(2, 32, 6)  # [E, N, K]
     strips = native_experts.layout(w)  # [E, N / 16, K, 16]
     assert strips.shape == (2, 2, 6, 16) and strips.is_contiguous()
     assert strips[1, 1, 4, 3].item() == w[1, 19, 4].item()
+    exact = w % 256  # every value a bfloat16 one: the same strips, stored in bfloat16
+    compact = native_experts.layout(exact, compact=True)
+    assert compact.dtype == torch.bfloat16
+    assert torch.equal(compact.float(), native_experts.layout(exact))
     w = torch.arange(2 * 64 * 6, dtype=torch.bfloat16).view(2, 64, 6)
     strips = native_experts.layout(w)  # [E, N / 32, K / 2, 32, 2]
     assert strips.shape == (2, 2, 3, 32, 2) and strips.is_contiguous()
