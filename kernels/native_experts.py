@@ -58,7 +58,18 @@ def kernels(
     `dtype`), fastest first: each one's instruction set and function, built and loaded; none
     where none can be built or run here. bfloat16 runs on the tile unit where the CPU has AMX
     and Linux lends it to the process, and on AVX512-BF16's dot products."""
-    weights = weights or dtype
+    suffix = "_bf16_weights" if weights not in (None, dtype) else ""
+    loaded = []
+    for isa, lib in _libraries(dtype):
+        fn = getattr(lib, FUNCTIONS[isa] + suffix)
+        fn.argtypes, fn.restype = ARGUMENTS[dtype], None
+        loaded.append((isa, fn))
+    return tuple(loaded)
+
+
+@functools.cache
+def _libraries(dtype: torch.dtype) -> tuple[tuple[str, ctypes.CDLL], ...]:
+    """The libraries of `kernels(dtype)` that built and loaded here, fastest first."""
     fallback = "experts run as grouped products"
     found: list[tuple[str, ctypes.CDLL | None]] = []
     if dtype == torch.float32:  # one source: AVX-512's 16 lanes where the CPU has them
@@ -71,13 +82,7 @@ def kernels(
             amx = None
         found.append(("amx", amx))
         found.append(("avx512_bf16", load_avx512_bf16(SOURCES["avx512_bf16"], fallback)))
-    loaded = []
-    for isa, lib in found:
-        if lib is not None:
-            fn = getattr(lib, FUNCTIONS[isa] + ("_bf16_weights" if weights != dtype else ""))
-            fn.argtypes, fn.restype = ARGUMENTS[dtype], None
-            loaded.append((isa, fn))
-    return tuple(loaded)
+    return tuple((isa, lib) for isa, lib in found if lib is not None)
 
 
 def kernel(dtype: torch.dtype) -> tuple[str, Callable[..., None]] | None:
