@@ -117,7 +117,9 @@ def layout(weight: torch.Tensor, compact: bool = False) -> torch.Tensor:
     e, n, k = weight.shape
     if weight.dtype == torch.float32:
         strips = weight.view(e, n // 16, 16, k).transpose(2, 3)
-        return strips.to(torch.bfloat16).contiguous() if compact else strips.contiguous()
+        if compact:  # converted and laid out in one pass
+            return strips.to(torch.bfloat16, memory_format=torch.contiguous_format)
+        return strips.contiguous()
     return weight.view(e, n // 32, 32, k // 2, 2).transpose(2, 3).contiguous()
 
 

@@ -96,7 +96,8 @@ void strip_rows(const float* a, int64_t lda, const Stored* strip, float* c, int6
   } else {
     tile<1, S, kFetch, Stored>(am, lda, strip, cm, ldc, k_dim, n, ask);
   }
-  strip_rows<S, false, Stored>(a, lda, strip, c, ldc, m + r, end, k_dim, n, kFetch ? next : nullptr);
+  const Stored* after = kFetch ? next : nullptr;
+  strip_rows<S, false, Stored>(a, lda, strip, c, ldc, m + r, end, k_dim, n, after);
 }
 
 // S strips at n: with few rows (`fetch`), asking for them ahead and for the next ones
