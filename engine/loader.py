@@ -185,8 +185,9 @@ def load_weights(model: DecoderForCausalLM, path: Path, multimodal: bool = False
     """Copy every checkpoint tensor into its parameter (or its rows of a packed one); of a
     `multimodal` checkpoint, its language model's."""
     files = checkpoint_files(path)
-    params = dict(model.named_parameters())
     expected = _expected_checkpoint_names(model)
+    _hold_bfloat16_experts(model, expected, files, multimodal)
+    params = dict(model.named_parameters())
     loaded: set[str] = set()
     for file in files:
         with safe_open(file, framework="pt") as f:
@@ -213,6 +214,34 @@ def load_weights(model: DecoderForCausalLM, path: Path, multimodal: bool = False
     missing = set(expected) - loaded
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(sorted(missing)[:8])}")
+
+
+def _hold_bfloat16_experts(
+    model: DecoderForCausalLM,
+    expected: dict[str, tuple[str, Any]],
+    files: list[Path],
+    multimodal: bool,
+) -> None:
+    """Experts of a float32 model whose every checkpoint weight is bfloat16 (as checkpoints
+    ship) are held in bfloat16 (`Experts.hold_in`): the dtype each tensor is stored in is read
+    from the files' headers first, before any tensor is."""
+    experts = [(p, m) for p, m in model.named_modules() if isinstance(m, Experts)]
+    if not any(m.gate_up.dtype == torch.float32 for _, m in experts):
+        return
+    stored: dict[str, str] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                ours = _language_model_name(name) if multimodal else name
+                if ours is not None:
+                    stored[ours] = f.get_slice(name).get_dtype()
+    all_bfloat16: dict[str, bool] = {}
+    for name, (target, _) in expected.items():
+        all_bfloat16[target] = all_bfloat16.get(target, True) and stored.get(name) == "BF16"
+    for module_path, module in experts:
+        held = (all_bfloat16.get(f"{module_path}.{w}") for w in ("gate_up", "down"))
+        if module.gate_up.dtype == torch.float32 and all(held):
+            module.hold_in(torch.bfloat16)
 
 
 def _expected_checkpoint_names(model: DecoderForCausalLM) -> dict[str, tuple[str, Any]]:

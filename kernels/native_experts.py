@@ -111,15 +111,16 @@ def covers(dtype: torch.dtype, hidden: int, inter: int) -> bool:
 
 def layout(weight: torch.Tensor, compact: bool = False) -> torch.Tensor:
     """[E, N, K] (torch's linear weights, stacked) as the kernel of its dtype reads them: in
-    float32 as strips of 16 columns, `[E, N / 16, K, 16]`, stored in bfloat16 with `compact`
-    (each value must be a bfloat16 one: `exactly_bfloat16`); in bfloat16 as strips of 32
-    columns in pairs of k, `[E, N / 32, K / 2, 32, 2]`."""
+    float32 as strips of 16 columns, `[E, N / 16, K, 16]`; with `compact`, the same strips
+    stored in bfloat16, made from bfloat16 weights (a bfloat16 checkpoint held as it ships) or
+    from float32 ones whose every value is a bfloat16 one (`exactly_bfloat16`); in bfloat16 as
+    strips of 32 columns in pairs of k, `[E, N / 32, K / 2, 32, 2]`."""
     e, n, k = weight.shape
-    if weight.dtype == torch.float32:
+    if weight.dtype == torch.float32 or compact:
         strips = weight.view(e, n // 16, 16, k).transpose(2, 3)
-        if compact:  # converted and laid out in one pass
-            return strips.to(torch.bfloat16, memory_format=torch.contiguous_format)
-        return strips.contiguous()
+        stored = torch.bfloat16 if compact else torch.float32
+        out = torch.empty(strips.shape, dtype=stored, device=weight.device)
+        return out.copy_(strips)  # converted and laid out in the one copy
     return weight.view(e, n // 32, 32, k // 2, 2).transpose(2, 3).contiguous()
 
 

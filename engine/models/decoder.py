@@ -340,7 +340,7 @@ class DecoderForCausalLM(nn.Module):
         chooses)."""
         for module in self.modules():
             if isinstance(module, RunsExperts):
-                module.kernel = kernel
+                module.use_kernel(kernel)
 
     def use_batch_invariance(self) -> None:
         """Every product in tiles of fixed rows (`engine.batch_invariant`): a row's result no

@@ -132,6 +132,9 @@ class RunsExperts:
     kernel: str = GROUPED
     inter: int
 
+    def use_kernel(self, kernel: str) -> None:
+        self.kernel = kernel
+
 
 # a config's `hidden_act` / `hidden_activation` -> the function, as transformers' ACT2FN has it
 GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

@@ -80,7 +80,9 @@ class Experts(RowTiled, RunsActivation, RunsExperts, nn.Module):
         self.down = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.names = names
         self.grouped: bool | None = None  # decided by `prepack`, from the weights' device and dtype
-        self.native_layout = False  # the weights laid out for `native_experts` (`_native_runs`)
+        self.native_layout = False  # the weights laid out for `native_experts` (`use_kernel`)
+        # the model's dtype while the weights are held in their checkpoint's bfloat16 (`hold_in`)
+        self.computes_in: torch.dtype | None = None
 
     def checkpoint_names(self, prefix: str) -> dict[str, tuple[str, Any]]:
         """checkpoint tensor name -> (our parameter, its index) for every expert."""
@@ -99,13 +101,51 @@ class Experts(RowTiled, RunsActivation, RunsExperts, nn.Module):
             for w in (self.gate_up, self.down)
         ]
 
+    def use_row_tiles(self, known: dict[tuple, tuple[int, ...]]) -> None:
+        if not self.native_layout:  # the native kernel's rows never depend on the step's others
+            super().use_row_tiles(known)
+
     def tile_kind(self) -> tuple:
         w = self.gate_up
         return ("experts", tuple(w.shape[1:]), tuple(self.down.shape[1:]), w.dtype, w.device)
 
+    def hold_in(self, stored: torch.dtype) -> None:
+        """Hold the weights in `stored`, the checkpoint's dtype (bfloat16), not the model's,
+        until `use_kernel` knows whether the kernel reads them so (float32's native experts
+        do) or they must widen: a bfloat16 checkpoint computing in float32 never holds its
+        experts in float32, twice the bytes, where the native kernel runs them."""
+        self.computes_in = self.computes_in or self.gate_up.dtype
+        for weight in (self.gate_up, self.down):
+            weight.data = torch.empty(weight.shape, dtype=stored, device=weight.device)
+
+    def use_kernel(self, kernel: str) -> None:
+        """Run as `kernel` (engine.device_plan chooses) from now on. Where `native_experts`
+        runs this layer (`kernel` NATIVE, with SiLU, of sizes it takes), its weights are laid
+        out now, in place, as it reads them; float32 weights that are bfloat16 values (a
+        bfloat16 checkpoint, held in bfloat16 or not) stay in bfloat16, the same results.
+        Elsewhere the weights are in the model's dtype."""
+        self.kernel = kernel
+        if self.native_layout:
+            return
+        dtype = self.computes_in or self.gate_up.dtype
+        weights = (self.gate_up, self.down)
+        native = kernel == NATIVE and self.activation == "silu"
+        if native and native_experts.covers(dtype, self.gate_up.shape[2], self.inter):
+            compact = dtype == torch.float32 and all(
+                w.dtype == torch.bfloat16 or native_experts.exactly_bfloat16(w) for w in weights
+            )
+            for weight in weights:
+                weight.data = native_experts.layout(weight.data, compact)
+            self.native_layout = True
+        else:
+            for weight in weights:
+                weight.data = weight.data.to(dtype)
+        self.computes_in = None
+
     def prepack(self) -> None:
         """Once the weights are loaded: grouped products where this device runs them."""
-        reason = grouped_mm_supported(self.gate_up.device, self.gate_up.dtype)
+        dtype = self.computes_in or self.gate_up.dtype
+        reason = grouped_mm_supported(self.gate_up.device, dtype)
         self.grouped = reason is None
         if reason is not None:
             _tell_once(reason)
@@ -119,7 +159,7 @@ class Experts(RowTiled, RunsActivation, RunsExperts, nn.Module):
             out = triton_moe().expert_products(x, self.gate_up, self.down, top_index)
             out = out * top_weights.reshape(-1, 1)
             return out.view(x.shape[0], k, -1).sum(dim=1).to(x.dtype)
-        if self._native_runs(x.dtype, x.shape[1]):
+        if self.native_layout:
             return native_experts.routed_experts(
                 x, top_index, top_weights, self.gate_up, self.down, self.inter
             )
@@ -136,27 +176,6 @@ class Experts(RowTiled, RunsActivation, RunsExperts, nn.Module):
         in_order = torch.empty_like(out)
         in_order[perm] = out
         return in_order.view(x.shape[0], k, -1).sum(dim=1).to(x.dtype)
-
-    def _native_runs(self, dtype: torch.dtype, hidden: int) -> bool:
-        """Whether this step's experts run in `native_experts`' kernel: where the plan chose it
-        (an x86 CPU), with SiLU, for sizes it takes. The first time, the weights are laid out
-        as the kernel reads them, in place; it runs every step from then on (its rows' results
-        never depend on the step's other rows, so batch-invariant mode too). The kernel takes
-        the whole routed layer. float32 weights that are all bfloat16 values (a bfloat16
-        checkpoint run in float32) are kept in bfloat16, half the bytes, the same results."""
-        if not (self.kernel == NATIVE and self.activation == "silu"):
-            return False
-        if not self.native_layout:
-            if not native_experts.covers(dtype, hidden, self.inter):
-                return False
-            weights = (self.gate_up, self.down)
-            compact = dtype == torch.float32 and all(
-                native_experts.exactly_bfloat16(w) for w in weights
-            )
-            for weight in weights:
-                weight.data = native_experts.layout(weight.data, compact)
-            self.native_layout = True
-        return True
 
     def _linear(self, rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor):
         """rows grouped by expert (`counts` each) times their expert's `weight`ᵀ."""

@@ -14,8 +14,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.loader import load_config, load_model
 from conveyor.engine.models import moe
 from conveyor.engine.models.decoder import MLP
+from conveyor.engine.models.layers import GROUPED, NATIVE
 from conveyor.kernels import native_experts
 from tests.hf_reference import hf_greedy, hf_model, random_prompts
 
@@ -89,6 +91,37 @@ def test_a_bfloat16_checkpoint_computing_in_float32_keeps_its_experts_in_bfloat1
             assert {(e.gate_up.dtype, e.down.dtype) for e in experts} == {(kept, kept)}
         else:  # where the kernel does not run, the weights are float32 as loaded
             assert {e.gate_up.dtype for e in experts} == {torch.float32}
+
+
+def test_a_bfloat16_checkpoints_experts_are_never_held_in_float32(checkpoints, tmp_path):
+    """Loading a bfloat16 checkpoint to compute in float32, the experts are read into bfloat16
+    (the files' headers say so before any tensor is read), not into float32 first; once the
+    plan is known they are laid out for the native kernel still in bfloat16, or widened to
+    float32 with the checkpoint's values where another kernel runs them."""
+    path = shutil.copytree(checkpoints["qwen3_moe"], tmp_path / "m")
+    weights = {n: w.bfloat16() for n, w in load_file(path / "model.safetensors").items()}
+    save_file(weights, path / "model.safetensors")
+    config = load_config(path)
+    native = native_experts.covers(torch.float32, config.hidden_size, config.moe_intermediate_size)
+    kernels = [GROUPED] + [NATIVE] * native
+    for kernel in kernels:
+        model = load_model(path, config, torch.float32, torch.device("cpu"), 128)
+        layers = model.model.layers
+        held = [(x.gate_up.dtype, x.down.dtype) for x in (layer.mlp.experts for layer in layers)]
+        assert set(held) == {(torch.bfloat16, torch.bfloat16)}
+        assert model.model.embed_tokens.weight.dtype == torch.float32  # the rest as asked
+        model.use_experts(kernel)
+        experts = layers[1].mlp.experts
+        gate = weights["model.layers.1.mlp.experts.3.gate_proj.weight"]
+        down = weights["model.layers.1.mlp.experts.3.down_proj.weight"]
+        if kernel == NATIVE:
+            assert experts.native_layout and experts.gate_up.dtype == torch.bfloat16
+            want = native_experts.layout(gate[None, :16].float())[0, 0]  # its first strip
+            assert torch.equal(experts.gate_up[3, 0].float(), want)
+        else:
+            assert experts.gate_up.dtype == experts.down.dtype == torch.float32
+            assert torch.equal(experts.gate_up[3, : experts.inter], gate.float())
+            assert torch.equal(experts.down[3], down.float())
 
 
 def test_grouped_products_equal_one_product_per_expert():
