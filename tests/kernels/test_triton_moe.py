@@ -49,7 +49,7 @@ def test_tiles_hold_one_expert_each_and_every_pair_once():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_expert_products_equal_the_torch_experts(dtype):
+def test_expert_products_equal_the_torch_experts(dtype, monkeypatch):
     """Hidden and intermediate sizes that fill no tile exactly; experts with no token."""
     torch.manual_seed(1)
     experts = moe.Experts(num_experts=7, hidden=40, inter=72).to(DEVICE, dtype)
@@ -61,10 +61,15 @@ def test_expert_products_equal_the_torch_experts(dtype):
     weights = torch.rand(37, 2, device=DEVICE).to(dtype)
     experts.impl = EAGER
     experts.grouped = False
+    calls = []
+    kernel = triton_moe.expert_products
+    monkeypatch.setattr(triton_moe, "expert_products", lambda *a: calls.append(1) or kernel(*a))
     with torch.no_grad():
         want = experts(x, top_index, weights)
-        experts.impl = TRITON
+        assert not calls
+        experts.use_kernel(TRITON)
         got = experts(x, top_index, weights)
+    assert calls == [1]  # one call, both products
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got.float(), want.float(), rtol=tolerance, atol=tolerance)
     assert not torch.isnan(got).any()
