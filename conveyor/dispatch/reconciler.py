@@ -86,24 +86,59 @@ def _reconcile(ledger: Ledger, app: Celery, settings: Settings) -> ReconcileRepo
     return report
 
 
+LOCK_KEY = "conveyor:reconciler"
+
+
 @contextlib.contextmanager
 def _lock(settings: Settings):
-    """One reconciler at a time across processes (a Redis lock; SQLite serializes anyway)."""
+    """One reconciler at a time across processes (a Redis lock; SQLite serializes anyway).
+    The lock lives `heartbeat_timeout` seconds and its holder renews it while it works, so
+    that a holder that dies mid-round (a worker killed) keeps the others from reconciling no
+    longer than its shards wait anyway; a lock that outlived its holder by minutes held up
+    every re-send for as long."""
     if not is_redis_url(settings.broker_url):
         yield True
         return
     client = redis.Redis.from_url(settings.broker_url)
-    lock = client.lock("conveyor:reconciler", timeout=120, blocking=False)
+    ttl = settings.heartbeat_timeout
+    # renewed from another thread: the token is the lock's, not a thread's
+    lock = client.lock(LOCK_KEY, timeout=ttl, blocking=False, thread_local=False)
     try:
         held = lock.acquire()
+        if not held:
+            yield False
+            return
+        renewal = _Renewal(lock, ttl)
+        renewal.start()
         try:
-            yield held
+            yield True
         finally:
-            if held:
-                with contextlib.suppress(redis.RedisError):
-                    lock.release()
+            renewal.stop()
+            with contextlib.suppress(redis.RedisError):
+                lock.release()
     finally:
         client.close()
+
+
+class _Renewal(threading.Thread):
+    """Renews a held lock to `ttl` seconds three times a `ttl` until stopped."""
+
+    def __init__(self, lock: redis.lock.Lock, ttl: float) -> None:
+        super().__init__(name="conveyor-reconciler-lock", daemon=True)
+        self.lock, self.ttl = lock, ttl
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.ttl / 3):
+            try:
+                self.lock.extend(self.ttl, replace_ttl=True)
+            except redis.RedisError:  # lost (expired, or Redis down): the round ends unguarded
+                log.warning("the reconciler's lock could not be renewed", exc_info=True)
+                return
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join()
 
 
 class ReconcilerLoop(threading.Thread):
