@@ -14,6 +14,7 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import redis
@@ -87,6 +88,7 @@ def _reconcile(ledger: Ledger, app: Celery, settings: Settings) -> ReconcileRepo
 
 
 LOCK_KEY = "conveyor:reconciler"
+ROUND_LIMIT = 120.0  # seconds a round holds the lock at most
 
 
 @contextlib.contextmanager
@@ -121,7 +123,9 @@ def _lock(settings: Settings):
 
 
 class _Renewal(threading.Thread):
-    """Renews a held lock to `ttl` seconds three times a `ttl` until stopped."""
+    """Renews a held lock to `ttl` seconds three times a `ttl` until stopped, for `ROUND_LIMIT`
+    seconds at most: a round stuck that long (a hung call in a live process) lets the lock
+    expire rather than hold up every other reconciler for good."""
 
     def __init__(self, lock: redis.lock.Lock, ttl: float) -> None:
         super().__init__(name="conveyor-reconciler-lock", daemon=True)
@@ -129,7 +133,13 @@ class _Renewal(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
+        until = time.monotonic() + ROUND_LIMIT
         while not self.stopped.wait(self.ttl / 3):
+            if time.monotonic() > until:
+                log.warning(
+                    "a reconcile round passed %.0f s; its lock is left to expire", ROUND_LIMIT
+                )
+                return
             try:
                 self.lock.extend(self.ttl, replace_ttl=True)
             except redis.RedisError:  # lost (expired, or Redis down): the round ends unguarded

@@ -64,3 +64,18 @@ def test_a_holder_killed_mid_round_keeps_the_others_out_for_its_ttl_at_most(redi
                 break
         assert time.monotonic() - waited < left + 1.0, "the dead holder's lock outlived its ttl"
         time.sleep(0.05)
+
+
+def test_a_round_stuck_past_the_limit_lets_its_lock_expire(redis_url, tmp_path, monkeypatch):
+    monkeypatch.setattr(reconciler, "ROUND_LIMIT", 1.0)
+    s = settings(redis_url, tmp_path, 0.6)
+    with reconciler._lock(s) as held:  # a round that never ends, in a live process
+        assert held
+        started = time.monotonic()
+        while True:
+            with reconciler._lock(s) as other:
+                if other:
+                    break
+            assert time.monotonic() - started < 1.0 + 0.6 + 1.0, "the stuck round kept its lock"
+            time.sleep(0.05)
+        assert time.monotonic() - started >= 1.0  # renewed up to the limit
