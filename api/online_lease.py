@@ -31,7 +31,7 @@ SLOTS_TTL_MARGIN = 60  # seconds a project's count outlives its longest request,
 class OnlineLease:
     bus: OnlineBus
     project: str
-    sequences: int  # held in the project's count; 0 when there is no limit
+    hold: str | None  # the project's hold on its sequences (`OnlineSlots`); None: no limit
     queue: str = ""
     message: OnlineMessage | None = None
     answered: bool = False  # its last answer came: nothing to cancel
@@ -45,11 +45,12 @@ class OnlineLease:
         """The project's hold on `sequences` more; 429 when that is past its limit."""
         limit = settings.max_online_sequences
         if not limit:
-            return cls(bus, project, 0)
+            return cls(bus, project, None)
         ttl = int(settings.online_timeout) + SLOTS_TTL_MARGIN
-        if not await bus.slots.take(project, sequences, limit, ttl):
+        hold = await bus.slots.take(project, sequences, limit, ttl)
+        if hold is None:
             raise too_many_in_flight(limit)
-        return cls(bus, project, sequences)
+        return cls(bus, project, hold)
 
     def sent(self, queue: str, message: OnlineMessage) -> None:
         self.queue, self.message = queue, message
@@ -65,8 +66,8 @@ class OnlineLease:
             except Exception:
                 log.warning("could not cancel online request %s", self.message, exc_info=True)
             try:
-                if self.sequences:
-                    await self.bus.slots.give_back(self.project, self.sequences)
+                if self.hold is not None:
+                    await self.bus.slots.give_back(self.project, self.hold)
             except Exception:
                 log.warning("could not give back %s's online sequences", self.project)
 

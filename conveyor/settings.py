@@ -195,8 +195,8 @@ class Settings(BaseSettings):
         8192,
         "one project's online sequences (prompts × `n`) in flight at once; past it a 429 "
         "`rate_limit_exceeded` with `Retry-After`. Counted in Redis when there is one (shared "
-        "by every API process; a count an API process could not give back expires "
-        "`CONVEYOR_ONLINE_TIMEOUT` + 60 s after the project's last request), else in the "
+        "by every API process; a request's hold that its API process could not give back "
+        "lapses `CONVEYOR_ONLINE_TIMEOUT` + 60 s after the request began), else in the "
         "API's process",
         group=ONLINE,
         ge=0,
