@@ -31,7 +31,7 @@ from conveyor.engine.errors import (
     StructuredOutputError,
 )
 from conveyor.engine.outputs import RequestOutput
-from conveyor.engine.protocol import Engine
+from conveyor.engine.protocol import Engine, Prompt, TokenizedPrompt
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.wire_format.errors import (
     CHAT_TEMPLATE_ERROR,
@@ -103,7 +103,7 @@ def engine_error(
     return RequestError(failure.message, code=code, param=request.client_param(param), **where)
 
 
-def prepare_request(llm: Engine, request: ParsedRequest) -> tuple[str | list[int], SamplingParams]:
+def prepare_request(llm: Engine, request: ParsedRequest) -> tuple[Prompt, SamplingParams]:
     """The engine prompt and sampling params of a parsed line, the fields it leaves out
     filled from the model's defaults (`Engine.default_sampling`). Raises `RequestError`."""
     thinking_off = (request.chat_template_kwargs or {}).get("enable_thinking") is False
@@ -122,7 +122,7 @@ def prepare_request(llm: Engine, request: ParsedRequest) -> tuple[str | list[int
         raise engine_error(err, request, f"line {request.line}") from None
     if not request.is_chat:
         assert request.prompt is not None
-        return request.prompt, params
+        return _prepared(llm, request, request.prompt), params
     try:
         prompt = llm.apply_chat_template(
             request.messages or [],
@@ -138,7 +138,16 @@ def prepare_request(llm: Engine, request: ParsedRequest) -> tuple[str | list[int
             custom_id=request.custom_id,
             param=request.client_param("body.chat_template_kwargs" if kwargs else "body.messages"),
         ) from None
-    return prompt, params
+    return _prepared(llm, request, prompt), params
+
+
+def _prepared(llm: Engine, request: ParsedRequest, prompt: str | list[int]) -> Prompt:
+    """`prompt` tokenized and checked here, on the thread that prepares the request, rather
+    than on the engine's, which steps the model for every request."""
+    try:
+        return llm.prepare_prompt(prompt)
+    except InvalidRequestError as err:
+        raise engine_error(err, request, f"line {request.line}") from None
 
 
 def _read_calls_with(parser: str | None, request: ParsedRequest, sampling: dict[str, Any]) -> None:
@@ -166,7 +175,7 @@ class PreparedLine:
     """A batch line ready for the engine."""
 
     parsed: ParsedRequest
-    prompt: str | list[int]
+    prompt: Prompt
     params: SamplingParams
 
 
@@ -202,7 +211,7 @@ def reuse_key(prepared: PreparedLine) -> str | None:
     shape = {
         "url": parsed.url,
         "model": parsed.model,
-        "prompt": prepared.prompt,
+        "prompt": _as_given(prepared.prompt),
         "sampling": dataclasses.asdict(params),
         "echo": parsed.echo,
         "drop_generation": parsed.drop_generation,
@@ -214,6 +223,14 @@ def reuse_key(prepared: PreparedLine) -> str | None:
     }
     text = json.dumps(shape, sort_keys=True, separators=(",", ":"), default=_plain)
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _as_given(prompt: Prompt) -> str | list[int]:
+    """The prompt as the line gave it (a chat's as its template's ids), as keys hold it: a
+    key made before prompts were tokenized off the engine's thread still matches."""
+    if isinstance(prompt, TokenizedPrompt):
+        return prompt.text if prompt.text is not None else prompt.token_ids
+    return prompt
 
 
 def _name(parser: Any) -> str | None:

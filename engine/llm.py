@@ -8,8 +8,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from conveyor.engine.llm_engine import LLMEngine, Prompt
+from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.protocol import Prompt
 from conveyor.engine.sampling_params import SamplingParams
 
 Message = dict[str, Any]

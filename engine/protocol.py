@@ -4,10 +4,24 @@ offline runner hold an `Engine`, never `Any`."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, eq=False)
+class TokenizedPrompt:
+    """A prompt tokenized, its ids checked against the vocabulary, by `Engine.prepare_prompt`
+    on the caller's thread: the engine's thread then takes it as it is. `text`: the prompt as
+    given, where it was text."""
+
+    token_ids: list[int]
+    text: str | None = None
+
+
+Prompt = str | list[int] | TokenizedPrompt
 
 
 @runtime_checkable
@@ -21,10 +35,15 @@ class Engine(Protocol):
     reasoning_parser: str | None  # the markers of its thinking (`--reasoning-parser`)
     tool_call_parser: str | None  # how it writes tool calls (`--tool-call-parser`)
 
+    def prepare_prompt(self, prompt: str | list[int]) -> Prompt:
+        """What of `add_request`'s work on `prompt` can be done before the engine's thread
+        (tokenizing it, checking its ids); raises the engine's `InvalidPromptError`."""
+        ...
+
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: Prompt,
         params: SamplingParams | None = None,
         *,
         priority: int = 0,

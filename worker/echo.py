@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
+from conveyor.engine.protocol import Prompt, TokenizedPrompt
 
 ECHO_MODEL = "echo"
 
@@ -64,10 +65,13 @@ class EchoEngine:
             lines.append("tools: " + ", ".join(t["function"]["name"] for t in tools))
         return "\n".join(lines)
 
+    def prepare_prompt(self, prompt: str | list[int]) -> Prompt:
+        return prompt  # nothing to tokenize: the echo is the prompt's words
+
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: Prompt,
         params: Any,
         *,
         priority: int = 0,
@@ -75,6 +79,8 @@ class EchoEngine:
     ) -> None:
         """Answers in the next step, whatever the priority; a streamed request gets its one
         final output."""
+        if isinstance(prompt, TokenizedPrompt):
+            prompt = prompt.text if prompt.text is not None else prompt.token_ids
         text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
         ids = list(range(len(text.split())))
         out = CompletionOutput(0, text, ids, None, None, "stop")

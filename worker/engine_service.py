@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from conveyor.engine.outputs import RequestOutput
-from conveyor.engine.protocol import Engine
+from conveyor.engine.protocol import Engine, Prompt
 from conveyor.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ T = TypeVar("T")
 @dataclass
 class EngineJob:
     request_id: str  # "<batch id>:<request row id>"
-    prompt: str | list[int]
+    prompt: Prompt  # prepared (`Engine.prepare_prompt`) on the thread that made the job
     params: SamplingParams
     on_done: Callable[[RequestOutput], None]  # called with the engine's last output
     # called if the engine refuses the request (an InvalidRequestError says the request is

@@ -30,6 +30,9 @@ class Engine:  # what preparing a completion asks of an engine: nothing but bein
     reasoning_parser = None
     tool_call_parser = None
 
+    def prepare_prompt(self, prompt):
+        return prompt
+
 
 def parse(raw, line):
     return parse_request_line(raw, line=line)

@@ -881,6 +881,9 @@ class ScriptedEngine:
         self.exc = exc or KeyboardInterrupt()
         self.aborted: list[str] = []
 
+    def prepare_prompt(self, prompt: Any) -> Any:
+        return prompt
+
     def add_request(self, request_id: str, prompt: Any, params: Any) -> None:
         if prompt == "too long":
             raise ContextLengthError("the prompt has 9999 tokens, but max_model_len is 10")

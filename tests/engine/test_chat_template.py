@@ -92,7 +92,7 @@ def test_a_failing_render_is_the_requests_400_naming_the_template(checkpoints, t
     assert info.value.param == "body.chat_template_kwargs"
     assert "may not set 'tokenize'" in info.value.message
     prompt, _ = prepared(chat_template_kwargs={"enable_thinking": False})
-    assert llm.tokenizer.decode(prompt) == "hi"
+    assert llm.tokenizer.decode(prompt.token_ids) == "hi"
     with pytest.raises(ChatTemplateError):
         llm.apply_chat_template([{"role": "system", "content": "s"}])
 

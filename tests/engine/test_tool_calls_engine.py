@@ -89,7 +89,7 @@ def test_the_template_gets_the_tools_and_the_calls_and_results_given_back(llm):
         {"role": "tool", "tool_call_id": "call-1", "content": "18 C, sunny"},
     ]  # fmt: skip
     prompt, _ = prepare_request(llm, chat(messages=messages))
-    text = llm.tokenizer.decode(prompt)
+    text = llm.tokenizer.decode(prompt.token_ids)
     assert json.dumps(TOOLS[0]) in text
     # the arguments reach the template as an object: written once, not as a quoted string
     assert '{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}' in text

@@ -35,7 +35,7 @@ class FaultyEngine:
         return getattr(self.engine, name)
 
     def add_request(self, request_id: str, prompt: Any, params: Any, **options: Any) -> None:
-        text = prompt if isinstance(prompt, str) else ""
+        text = prompt if isinstance(prompt, str) else getattr(prompt, "text", None) or ""
         if self.faults.refuse_prompt_with and self.faults.refuse_prompt_with in text:
             raise TypeError("TextEncodeInput must be Union[TextInputSequence, Tuple[...]]")
         self.engine.add_request(request_id, prompt, params, **options)
