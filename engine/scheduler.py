@@ -183,7 +183,10 @@ class Scheduler:
         bm = self.block_manager
         in_flight = self._blocks_in_flight() if self.cache_aware else set()
         admitted: list[Sequence] = []
-        for seq in self._admission_order():
+        # the share is spent: nothing more urgent than `bound` can start (credit only comes
+        # back with the next step), so the order need not look up its prefixes
+        spent = bound if bound is not None and not self.urgent.has_credit() else None
+        for seq in self._admission_order(spent):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             urgent = bound is not None and seq.request.priority < bound
@@ -224,9 +227,10 @@ class Scheduler:
     def _overdue(self, seq: Sequence) -> bool:
         return self.clock() - seq.arrival_time >= self.max_waiting_time
 
-    def _admission_order(self) -> Iterator[Sequence]:
+    def _admission_order(self, spent: int | None = None) -> Iterator[Sequence]:
         """The most urgent priority first; within one, overdue sequences first (arrival
-        order), then the longest cached prefix first."""
+        order), then the longest cached prefix first. Those more urgent than `spent` (their
+        share spent) may be left out."""
         if not self.cache_aware or len(self.waiting) > self.lpm_max_waiting:
             # by priority, then arrival (overdue ones lead), taken as they are asked for
             return iter(self.waiting)
@@ -238,7 +242,10 @@ class Scheduler:
                 return (seq.request.priority, 0, seq.arrival_time)  # overdue: by arrival
             return (seq.request.priority, 1, -len(bm.match_prefix(seq)))
 
-        return iter(sorted(self.waiting, key=key))
+        waiting = self.waiting
+        if spent is not None:  # fifty online requests waiting on the share: no prefix look-ups
+            waiting = [seq for seq in waiting if seq.request.priority >= spent]
+        return iter(sorted(waiting, key=key))
 
     def _uncomputed_prompt_keys(self, seq: Sequence) -> list[bytes]:
         """Keys of the full prompt blocks of `seq` whose KV is not computed yet."""

@@ -69,6 +69,29 @@ def test_a_flood_of_online_requests_takes_only_its_share_while_a_batch_runs(chec
     assert not unfinished
 
 
+def test_online_requests_waiting_on_a_spent_share_cost_no_prefix_lookups(checkpoints):
+    """Fifty online clients in a loop keep ~50 requests waiting on the share: while it is
+    spent, ordering the waiting sequences looks up none of theirs (a step's host time)."""
+    llm = engine(checkpoints, SHARE)
+    add_flood(llm, batch=8, online=60)
+    looked_up: list[tuple[int, bool]] = []
+    scheduler = llm.scheduler
+    match_prefix = scheduler.block_manager.match_prefix
+
+    def recorded(seq):
+        looked_up.append((seq.request.priority, scheduler.urgent.has_credit()))
+        return match_prefix(seq)
+
+    scheduler.block_manager.match_prefix = recorded
+    spent_steps = 0
+    while any(s.request.priority == BATCH for s in [*scheduler.running, *scheduler.waiting]):
+        spent_steps += not scheduler.urgent.has_credit()
+        llm.step()
+    assert spent_steps > 10  # the share was spent, with online requests waiting, many times
+    assert (ONLINE, True) in looked_up  # they were looked up when they could start
+    assert (ONLINE, False) not in looked_up
+
+
 def finish_order(llm: LLM) -> list[str]:
     order = []
     while llm.has_unfinished():
