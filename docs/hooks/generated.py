@@ -29,6 +29,7 @@ BENCH_COLUMNS = {
     "online_churn": ["cpu_isa", "online_rate_limit", "urgent_share", "drops", "refused",
                      "ratio_vs_quiet", "engine_ratio_vs_quiet", "abort_latency_ms_p50"],
     "prefix_sharing": ["num_requests", "cached_fraction", "ratio_vs_off", "ratio_vs_hf"],
+    "pipeline": ["num_requests", "create_s", "processing_s", "e2e_req_s", "copy_rows_s"],
     "sampling_features": ["plain_tokens_per_s", "penalties_cost", "structured_cost"],
     "sampled_decoding": ["cpu_isa", "dtype", "time_over_greedy"],
     "step_profile": ["cpu_isa", "dtype", "attention", "elementwise", "sequences", "decode_ms",
