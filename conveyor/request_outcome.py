@@ -228,9 +228,7 @@ def reuse_key(prepared: PreparedLine) -> str | None:
 def _as_given(prompt: Prompt) -> str | list[int]:
     """The prompt as the line gave it (a chat's as its template's ids), as keys hold it: a
     key made before prompts were tokenized off the engine's thread still matches."""
-    if isinstance(prompt, TokenizedPrompt):
-        return prompt.text if prompt.text is not None else prompt.token_ids
-    return prompt
+    return prompt.as_given if isinstance(prompt, TokenizedPrompt) else prompt
 
 
 def _name(parser: Any) -> str | None:

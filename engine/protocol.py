@@ -20,6 +20,11 @@ class TokenizedPrompt:
     token_ids: list[int]
     text: str | None = None
 
+    @property
+    def as_given(self) -> str | list[int]:
+        """The prompt as its request gave it: its text, else its ids."""
+        return self.text if self.text is not None else self.token_ids
+
 
 Prompt = str | list[int] | TokenizedPrompt
 

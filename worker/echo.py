@@ -80,7 +80,7 @@ class EchoEngine:
         """Answers in the next step, whatever the priority; a streamed request gets its one
         final output."""
         if isinstance(prompt, TokenizedPrompt):
-            prompt = prompt.text if prompt.text is not None else prompt.token_ids
+            prompt = prompt.as_given
         text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
         ids = list(range(len(text.split())))
         out = CompletionOutput(0, text, ids, None, None, "stop")
