@@ -25,7 +25,7 @@ for _, hold in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
     held = held + tonumber(string.match(hold, '^(%d+):'))
 end
 if held + tonumber(ARGV[1]) > tonumber(ARGV[2]) then return 0 end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1] .. ':' .. ARGV[4])
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[4])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 return 1
 """
@@ -68,9 +68,9 @@ class RedisSlots(LazyAsyncRedis):
     """The holds shared by every API process, in one Redis sorted set per project."""
 
     async def take(self, project: str, count: int, limit: int, ttl: int) -> str | None:
-        hold = uuid.uuid4().hex
+        hold = f"{count}:{uuid.uuid4().hex}"  # the member _TAKE sums the counts of
         taken = await self._redis().eval(_TAKE, 1, SLOTS_PREFIX + project, count, limit, ttl, hold)
-        return f"{count}:{hold}" if taken else None
+        return hold if taken else None
 
     async def give_back(self, project: str, hold: str) -> None:
         await self._redis().zrem(SLOTS_PREFIX + project, hold)
