@@ -227,6 +227,15 @@ def test_response_format_text_is_the_default():
     assert parse(CHAT_URL, response_format={"type": "text"}) == parse(CHAT_URL)
 
 
+def test_lengths_left_out_are_openais_defaults():
+    """A chat without a length runs to the end of the context (the engine stops it there), a
+    completion to 16 tokens; `max_completion_tokens` wins over `max_tokens`."""
+    assert parse(CHAT_URL).sampling["max_tokens"] is None
+    assert SamplingParams(**parse(CHAT_URL).sampling).max_tokens is None
+    assert parse(CHAT_URL, max_tokens=7, max_completion_tokens=5).sampling["max_tokens"] == 5
+    assert parse(COMPLETIONS_URL).sampling["max_tokens"] == 16
+
+
 def test_the_online_tests_named_for_streaming_exist():
     import importlib
 
