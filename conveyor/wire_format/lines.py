@@ -1,5 +1,7 @@
 """What a line of an input file is: a request is one non-blank line, counted alike when the file
-uploads (`LineCounter`, chunk by chunk) and when it is validated or run (`iter_lines`)."""
+uploads (`LineCounter`, chunk by chunk) and when it is validated or run (`iter_lines`). A UTF-8
+byte order mark opening the file (Windows tools write one) is not part of its first line: JSON's
+RFC 8259 lets a parser ignore it, and Python's `json` refuses it."""
 
 from __future__ import annotations
 
@@ -15,9 +17,12 @@ from conveyor.wire_format.errors import (
     FileLimitError,
 )
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
 
 def iter_lines(f: IO[bytes], max_line_bytes: int) -> Iterator[tuple[int, int, bytes | None]]:
     """(line number, byte offset, content) for each non-blank line; content None if too long.
+    The offset is where the content starts (after a byte order mark opening the file).
 
     Reads at most `max_line_bytes + 1` bytes of a line at a time, so a huge line costs no more
     memory than that.
@@ -29,6 +34,11 @@ def iter_lines(f: IO[bytes], max_line_bytes: int) -> Iterator[tuple[int, int, by
         if not chunk:
             return
         number += 1
+        if number == 1 and chunk.startswith(UTF8_BOM):
+            if not chunk.endswith(b"\n"):  # as many of the line's own bytes as any line's
+                chunk += f.readline(len(UTF8_BOM))
+            chunk, offset = chunk[len(UTF8_BOM) :], offset + len(UTF8_BOM)
+            start = offset
         offset += len(chunk)
         if len(chunk) > max_line_bytes and not chunk.endswith(b"\n"):
             while chunk and not chunk.endswith(b"\n"):  # skip the rest of the long line
@@ -42,14 +52,15 @@ def iter_lines(f: IO[bytes], max_line_bytes: int) -> Iterator[tuple[int, int, by
 
 def count_request_lines(path: str | Path) -> int:
     """Requests (non-blank lines) in the file at `path`, read in a streaming way."""
-    with open(path, "rb") as f:
-        return sum(1 for raw in f if is_request_line(raw))
+    return sum(1 for _ in iter_request_lines(path))
 
 
 def iter_request_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, raw line) for each request line of the file at `path`."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
+            if number == 1:
+                raw = raw.removeprefix(UTF8_BOM)
             if is_request_line(raw):
                 yield number, raw
 
@@ -78,18 +89,36 @@ class LineCounter:
         self.number = 0  # physical lines ended so far
         self.line_bytes = 0  # bytes of the line not yet ended
         self.line_blank = True  # whether the line not yet ended is blank so far
+        self.mark: int | None = 0  # bytes of a byte order mark opening the file seen so far
 
     def feed(self, chunk: bytes) -> None:
         self.size += len(chunk)
         if self.size > self.limits.max_bytes:
             raise file_too_large(self.limits.max_bytes)
-        start = 0
+        start = self._skip_mark(chunk)
         while (end := chunk.find(b"\n", start)) != -1:
             self._end_line(self.line_bytes + end - start, chunk[start:end])
             start = end + 1
         self._add(chunk[start:])
 
+    def _skip_mark(self, chunk: bytes) -> int:
+        """How many bytes opening `chunk` go on a byte order mark opening the file (whichever
+        chunks it falls in); where the file's first bytes turn out not to be one, they are
+        its first line's."""
+        if self.mark is None:
+            return 0
+        n = 0
+        while n < len(chunk) and self.mark < len(UTF8_BOM) and chunk[n] == UTF8_BOM[self.mark]:
+            n, self.mark = n + 1, self.mark + 1
+        if self.mark == len(UTF8_BOM):
+            self.mark = None
+        elif n < len(chunk):  # not a mark: the bytes taken for one were the line's own
+            self.line_bytes, self.line_blank, self.mark = self.mark, self.mark == 0, None
+        return n
+
     def close(self) -> None:
+        if self.mark:  # the file ended inside what began like a mark: its bytes are a line
+            self.line_bytes, self.line_blank, self.mark = self.mark, False, None
         if self.line_bytes:  # a last line without a newline
             self._end_line(self.line_bytes, b"")
 

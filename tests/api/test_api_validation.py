@@ -273,6 +273,23 @@ def test_file_of_blank_lines(api: str):
     assert failed_errors(r.json()) == [("empty_file", None)]
 
 
+def test_a_byte_order_mark_opening_the_file_is_read_past(api: str):
+    """A file as Windows tools write it (a UTF-8 mark first, CRLF line ends) makes the batch
+    the same file without them makes; its first line is read from where the mark ends."""
+    lines = [chat("a", temperature=-1), chat("b")]
+    text = "".join(json.dumps(line) + "\r\n" for line in lines)
+    r = upload_bytes(api, b"\xef\xbb\xbf" + text.encode())
+    assert r.status_code == 200, r.text
+    r = create_batch(api, r.json()["id"])
+    assert r.status_code == 200, r.text
+    batch = r.json()
+    assert batch["status"] == "in_progress" and batch["errors"] is None, batch
+    assert batch["request_counts"] == {"total": 2, "completed": 0, "failed": 1, "reused": 0}
+    [error] = results(api, batch["id"])
+    assert (error["custom_id"], error["error"]["line"]) == ("a", 1)
+    assert error["error"]["param"] == "body.temperature"
+
+
 def test_blank_lines_count_in_line_numbers(api: str):
     batch = batch_from(api, [chat("a"), "", "   ", "not json"])
     assert failed_errors(batch) == [("invalid_json", 4)]

@@ -10,7 +10,7 @@ import pytest
 
 from conveyor.testing import batch_lines
 from conveyor.wire_format.errors import FileLimitError
-from conveyor.wire_format.lines import FileLimits, LineCounter
+from conveyor.wire_format.lines import UTF8_BOM, FileLimits, LineCounter, iter_request_lines
 from conveyor.wire_format.validation import validate
 
 CHAT = "/v1/chat/completions"
@@ -40,3 +40,27 @@ def test_blank_lines_are_no_requests_for_either() -> None:
     counter.feed(data)
     counter.close()
     assert counter.lines == 2
+
+
+def test_a_file_opening_with_a_byte_order_mark_runs_as_without(tmp_path) -> None:
+    """Windows tools write UTF-8 with a mark first (and end lines in CRLF): validation, the
+    ledger's reads of each line (at its offset) and `conveyor run-batch` read the file as if it
+    had none."""
+    data = jsonl(batch_lines(2))
+    result = validate(io.BytesIO(UTF8_BOM + data), CHAT, 1 << 20, max_lines=2)
+    assert not result.errors and len(result.records) == 2
+    plain = validate(io.BytesIO(data), CHAT, 1 << 20, max_lines=2)
+    for marked, unmarked in zip(result.records, plain.records, strict=True):
+        assert marked.offset == unmarked.offset + len(UTF8_BOM)
+        assert marked.length == unmarked.length and marked.custom_id == unmarked.custom_id
+        line = (UTF8_BOM + data)[marked.offset : marked.offset + marked.length]
+        assert json.loads(line)["custom_id"] == marked.custom_id
+    crlf = validate(io.BytesIO(UTF8_BOM + data.replace(b"\n", b"\r\n")), CHAT, 1 << 20, 2)
+    assert not crlf.errors and [r.custom_id for r in crlf.records] == [
+        r.custom_id for r in plain.records
+    ]
+    path = tmp_path / "marked.jsonl"
+    path.write_bytes(UTF8_BOM + data)
+    assert [json.loads(raw)["custom_id"] for _, raw in iter_request_lines(path)] == [
+        r.custom_id for r in plain.records
+    ]

@@ -8,7 +8,7 @@ import io
 import pytest
 
 from conveyor.wire_format.errors import FileLimitError
-from conveyor.wire_format.lines import FileLimits, LineCounter, iter_lines
+from conveyor.wire_format.lines import UTF8_BOM, FileLimits, LineCounter, iter_lines
 
 LIMITS = FileLimits(max_bytes=1000, max_lines=4, max_line_bytes=10)
 
@@ -58,3 +58,23 @@ def test_too_many_requests_and_too_many_bytes():
     assert count([b"a\n\nb\n\nc\n\nd\n\n"]) == (12, 4)  # blank lines are no requests
     err = refused([b"a\n" * 300, b"b\n" * 300], FileLimits(1000, 10_000, 10))
     assert err.code == "file_too_large" and "1000 bytes" in str(err)
+
+
+def test_a_byte_order_mark_opening_the_file_is_no_byte_of_its_first_line():
+    data = UTF8_BOM + b"0123456789\n\nab\n"  # line 1 at the limit without the mark
+    validated = list(iter_lines(io.BytesIO(data), LIMITS.max_line_bytes))
+    assert [(n, offset, raw) for n, offset, raw in validated] == [
+        (1, 3, b"0123456789\n"),
+        (3, 15, b"ab\n"),
+    ]
+    for chunks in every_split(data):
+        assert count(chunks) == (len(data), 2), chunks
+    assert count([UTF8_BOM, b"\n \n"]) == (len(UTF8_BOM) + 3, 0)  # a mark alone: no request
+    # bytes that begin like a mark but are not one are the line's own, counted as such
+    for data in (UTF8_BOM[:2] + b"x\n", UTF8_BOM[:2], b"\xef\xbb\xbfx" + UTF8_BOM + b"\n"):
+        assert count([data]) == (len(data), 1)
+        for chunks in every_split(data):
+            assert count(chunks) == (len(data), 1), chunks
+    err = refused([UTF8_BOM + b"0123456789X\n"])  # over the limit without the mark too
+    assert err.code == "line_too_large" and "line 1 " in str(err)
+    assert [raw for _, _, raw in iter_lines(io.BytesIO(UTF8_BOM + b"0123456789X\n"), 10)] == [None]
