@@ -162,8 +162,9 @@ class Settings(BaseSettings):
         60.0,
         "on SIGTERM a worker takes no new shards and gives running ones this many seconds; "
         "then it aborts what is left, commits what finished and hands the rest back to the "
-        "queue. Ctrl-C (SIGINT) hands them back at once: `conveyor worker` and `conveyor "
-        "serve` exit 130 within about a second, and running them again goes on with the batch",
+        "queue; a worker with none running exits 0 within about a second. Ctrl-C (SIGINT) "
+        "hands them back at once: `conveyor worker` and `conveyor serve` exit 130 within "
+        "about a second, and running them again goes on with the batch",
         ge=0,
     )
     log_format: Annotated[Literal["text", "json"], Lowercase] = setting(

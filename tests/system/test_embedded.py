@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,11 +17,19 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conveyor.testing import batch_lines, free_port, stop_group, write_jsonl
+from conveyor.testing import (
+    batch_lines,
+    free_port,
+    stop_group,
+    submit_batch,
+    wait_for,
+    write_jsonl,
+)
 
 EXIT_BATCH_FAILED = 3
 EXIT_TOO_MANY_FAILED = 6
 EXIT_RUNS_DIFFER = 7
+SIGTERM_SECONDS = 3.0  # an idle service stops within a second; the rest is room for a slow VM
 
 
 @contextlib.contextmanager
@@ -209,3 +218,31 @@ def test_embedded_serve_and_submit(embedded: tuple[str, dict[str, str]], tmp_pat
     done = submit(url, env, dup, "--model", "demo", "--wait")
     assert done.returncode == EXIT_BATCH_FAILED, done.stderr
     assert "line 3: duplicate_custom_id" in done.stderr
+
+
+def test_sigterm_stops_an_idle_serve_at_once_keeping_its_work(tmp_path: Path) -> None:
+    """SIGTERM (`docker stop`, a supervisor) to an idle `conveyor serve` ends it with exit 0
+    within a second or so, where Celery's poll of the SQLite broker and the interpreter's
+    teardown of the model took 4-6 s; its batch stays done and its worker is withdrawn."""
+    env = embedded_env(tmp_path / "data")
+    path = write_jsonl(tmp_path / "in.jsonl", batch_lines(2, model="demo", max_tokens=4))
+    with serving(sys.executable, tmp_path, env) as (url, proc):
+        batch_id = submit_batch(url, path)
+        assert wait_for(url, batch_id, timeout=120)["status"] == "completed"
+        (first,) = httpx.get(url + "/v1/workers").json()["data"]
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        took = time.monotonic() - started
+    log = (tmp_path / "serve.log").read_text(errors="replace")
+    assert proc.returncode == 0, log[-3000:]
+    assert took < SIGTERM_SECONDS, f"serve took {took:.1f} s to stop after SIGTERM"
+
+    with serving(sys.executable, tmp_path, env) as (url, _):
+        batch = httpx.get(f"{url}/v1/batches/{batch_id}").json()
+        assert batch["status"] == "completed"
+        assert batch["request_counts"] == {"total": 2, "completed": 2, "failed": 0, "reused": 0}
+        output = httpx.get(f"{url}/v1/files/{batch['output_file_id']}/content").text
+        assert len(output.splitlines()) == 2
+        (worker,) = httpx.get(url + "/v1/workers").json()["data"]  # the first one withdrew
+        assert worker["id"] != first["id"]
