@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from conveyor.api import schemas
 from conveyor.api.lookups import get_batch
+from conveyor.ledger.batch_runs import runs_of
 from conveyor.ledger.models import ResultRow
 from conveyor.wire_format.result_diff import diff_runs
 
@@ -29,7 +30,11 @@ def batch_diff(
     (`wire_format.result_diff`)."""
     for one in (batch_id, against):
         get_batch(session, one, project)
-    found = diff_runs(_lines(session, against), _lines(session, batch_id), tolerance)
+    runs = runs_of(session, [against, batch_id])
+    found = diff_runs(
+        _lines(session, against), _lines(session, batch_id), tolerance, runs[against],
+        runs[batch_id],
+    )  # fmt: skip
     return schemas.BatchDiff(
         batch_id=batch_id, against=against, differs=found.differs, **found.as_dict(top)
     )

@@ -264,6 +264,12 @@ class BatchDiff(BaseModel):
         description="lines with logprobs whose summed log-probability moved, largest first"
     )
     score_changes_total: int
+    what_ran_changed: list[dict[str, Any]] | None = Field(
+        description="what ran the two batches, where it differs: each part's name "
+        "(`fingerprint`, `conveyor`, `engine.<setting>`, `default_sampling.<field>`) with each "
+        "batch's values (`before`: the other batch's); empty when the same, null where either "
+        "batch recorded no run"
+    )
 
 
 class ErrorGroupList(BaseModel):

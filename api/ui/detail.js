@@ -214,6 +214,7 @@ function comparison(batch) {
       `${fmt.count(found.same)} the same, ${fmt.count(found.changed.length)} changed, ` +
       `${fmt.count(found.new.length)} new, ${fmt.count(found.gone.length)} gone; ` +
       `${fmt.count(found.score_changes_total)} scores moved (since ${found.against})` }));
+    parts.push(el("p", { class: "diff-what-ran", text: whatRan(found.what_ran_changed) }));
     const changed = found.changed.slice(0, SHOWN_CHANGES);
     if (changed.length) {
       parts.push(el("ul", { class: "examples diff-changed" },
@@ -234,6 +235,18 @@ function comparison(batch) {
   parts.push(el("div", { class: "actions" }, input,
     el("button", { type: "button", id: "compare-button", text: "Compare", onclick: go })));
   return parts;
+}
+
+// what ran the two batches, where it differs (model fingerprints, Conveyor, engine, sampling)
+function whatRan(changes) {
+  if (changes === null) return "What ran them: not recorded for one or both.";
+  if (!changes.length) {
+    return "What ran them: the same model fingerprint, Conveyor, engine settings and sampling " +
+      "defaults.";
+  }
+  const values = (list) => list.map((v) => JSON.stringify(v)).join(", ") || "(none)";
+  return "What ran them differs: " +
+    changes.map((c) => `${c.name} ${values(c.before)} → ${values(c.after)}`).join("; ");
 }
 
 function metadata(batch) {

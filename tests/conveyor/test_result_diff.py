@@ -1,9 +1,9 @@
 """`diff_runs`: lines matched by custom_id, compared on what the model answered, and the
-summed log-probabilities of loglikelihood lines."""
+summed log-probabilities of loglikelihood lines; beside them, what ran the two runs."""
 
 from __future__ import annotations
 
-from conveyor.wire_format.result_diff import answer_of, diff_runs, score_of
+from conveyor.wire_format.result_diff import answer_of, diff_runs, score_of, what_ran_changes
 
 
 def chat_line(custom_id: str, content: str, finish: str = "stop", rid: str = "r1") -> dict:
@@ -81,3 +81,49 @@ def test_a_response_object_is_compared_on_its_output_items():
     assert answer_of(response("hi"))["output"][1] == {"call": "f", "arguments": "{}"}
     assert diff_runs([response("hi")], [response("hi")]).same == 1
     assert len(diff_runs([response("hi")], [response("ho")]).changed) == 1
+
+
+def run_record(worker: str, fingerprint: str = "fp-1", **engine: object) -> dict:
+    """One entry of a batch's `reproducibility`, as the API gives it."""
+    return {
+        "worker": worker,
+        "fingerprint": fingerprint,
+        "first_at": float(len(worker)),
+        "conveyor": "0.1.0",
+        "engine": {"dtype": "bfloat16", "max_num_seqs": 256, **engine},
+        "default_sampling": {"temperature": 1.0},
+    }
+
+
+def test_what_ran_two_runs_compares_all_but_the_worker_and_the_time():
+    assert what_ran_changes([run_record("w1")], [run_record("w2")]) == []
+    changes = what_ran_changes(
+        [run_record("w1")], [run_record("w1", fingerprint="fp-2", dtype="float32")]
+    )
+    assert [(c.name, c.before, c.after) for c in changes] == [
+        ("engine.dtype", ["bfloat16"], ["float32"]),
+        ("fingerprint", ["fp-1"], ["fp-2"]),
+    ]
+
+
+def test_what_ran_a_run_of_several_workers_is_each_value_they_had():
+    second = [run_record("w2", block_size=32), run_record("w1")]  # in any order
+    (change,) = what_ran_changes([run_record("w1")], second)
+    assert (change.name, change.before, change.after) == ("engine.block_size", [], [32])
+    first = [run_record("w1"), run_record("w2", dtype="float32")]
+    (change,) = what_ran_changes(first, [run_record("w3")])
+    assert (change.before, change.after) == (["bfloat16", "float32"], ["bfloat16"])
+
+
+def test_diff_runs_says_what_ran_them_only_where_both_are_known():
+    lines = [chat_line("a", "yes")]
+    assert diff_runs(lines, lines).what_ran is None
+    assert diff_runs(lines, lines, first_ran=[], second_ran=[run_record("w")]).what_ran is None
+    found = diff_runs(lines, lines, first_ran=[run_record("w1")], second_ran=[run_record("w2")])
+    assert found.what_ran == [] and not found.differs
+    assert found.as_dict(10)["what_ran_changed"] == []
+    changed = diff_runs(lines, lines, 0.0, [run_record("w")], [run_record("w", "fp-2")])
+    assert not changed.differs  # the answers are what counts; what ran them explains
+    assert changed.as_dict(10)["what_ran_changed"] == [
+        {"name": "fingerprint", "before": ["fp-1"], "after": ["fp-2"]}
+    ]

@@ -176,8 +176,23 @@ def test_embedded_serve_and_submit(embedded: tuple[str, dict[str, str]], tmp_pat
     assert again.returncode == 0, again.stderr
     same = diff(url, env, batch_id, again.stdout.split()[0])
     assert same.returncode == 0 and "16 lines the same, 0 changed" in same.stdout, same.stdout
+    assert "what ran them: the same model fingerprint" in same.stdout, same.stdout
     from_file = diff(url, env, str(out), batch_id)  # a results file of the rerun, kept locally
     assert from_file.returncode == 0, from_file.stdout + from_file.stderr
+    assert "what ran them: the same" in from_file.stdout  # from out.jsonl.meta.json
+    bare = tmp_path / "bare.jsonl"  # the lines without the record of what ran them
+    bare.write_text(out.read_text())
+    unknown = diff(url, env, str(bare), batch_id)
+    assert unknown.returncode == 0, unknown.stdout + unknown.stderr
+    assert "what ran them: not known for A (no bare.jsonl.meta.json beside it)" in unknown.stdout
+    # a record that says another engine ran it is named, with the answers still the same
+    record = json.loads((tmp_path / "out.jsonl.meta.json").read_text())
+    record["reproducibility"][0]["engine"]["block_size"] = 1024
+    (tmp_path / "bare.jsonl.meta.json").write_text(json.dumps(record))
+    other_engine = diff(url, env, str(bare), batch_id, "--json")
+    assert other_engine.returncode == 0, other_engine.stdout + other_engine.stderr
+    (change,) = json.loads(other_engine.stdout)["what_ran_changed"]
+    assert change["name"] == "engine.block_size" and change["before"] == [1024]
     edited = [*lines[:15], *batch_lines(2, prefix="edit", max_tokens=6)]
     edited[0] = {**lines[0], "body": {**lines[0]["body"], "max_tokens": 1}}
     for line in edited[15:]:
@@ -194,6 +209,7 @@ def test_embedded_serve_and_submit(embedded: tuple[str, dict[str, str]], tmp_pat
     served = httpx.get(f"{url}/v1/batches/{other_id}/diff", params={"against": batch_id}).json()
     assert served["differs"] and served["same"] == 14 and served["new"] == ["edit-0", "edit-1"]
     assert served["changed"] == report["changed"]
+    assert served["what_ran_changed"] == report["what_ran_changed"] == []
 
     # a line that fails alone lands in --errors; with --max-failed 1 that is still success
     bad = [*lines[:3], {**lines[3], "body": {**lines[3]["body"], "temperature": -1}}]

@@ -386,4 +386,8 @@ def test_a_batch_shows_what_changed_since_another(service: Service, tab: Tab, tm
     summary = page.locator(".diff-summary")
     expect(summary).to_contain_text("2 the same, 1 changed, 1 new, 0 gone")
     expect(page.locator(".diff-changed li")).to_have_text(["cmp-2"])
+    # the echo model's workers record no run (the CLI and API tests show a recorded one)
+    expect(page.locator(".diff-what-ran")).to_have_text(
+        "What ran them: not recorded for one or both."
+    )
     assert tab.console_errors == []
