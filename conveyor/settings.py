@@ -164,7 +164,8 @@ class Settings(BaseSettings):
         "then it aborts what is left, commits what finished and hands the rest back to the "
         "queue; a worker with none running exits 0 within about a second. Ctrl-C (SIGINT) "
         "hands them back at once: `conveyor worker` and `conveyor serve` exit 130 within "
-        "about a second, and running them again goes on with the batch",
+        "about a second, and running them again goes on with the batch. Either way the shards "
+        "sent to the worker that it had not started go back to the queue too",
         ge=0,
     )
     log_format: Annotated[Literal["text", "json"], Lowercase] = setting(

@@ -7,6 +7,7 @@ number of workers that ran it. Output and error files are views of `results`.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from sqlalchemy import (
@@ -141,6 +142,12 @@ class ShardRow(Base):
     @property
     def task_id(self) -> str:
         return f"shard-{self.id}-{self.enqueue_count}"
+
+
+def shard_of_task(task_id: str) -> tuple[int, int] | None:
+    """(shard id, enqueue count) of a `ShardRow.task_id`; None for any other id."""
+    match = re.fullmatch(r"shard-(\d+)-(\d+)", task_id)
+    return None if match is None else (int(match[1]), int(match[2]))
 
 
 class RequestRow(Base):

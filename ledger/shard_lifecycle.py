@@ -15,7 +15,7 @@ from sqlalchemy import and_, bindparam, case, or_, select, update
 from sqlalchemy.orm import Session
 
 from conveyor.ledger.batch_lifecycle import advance_locked, lock_batch_state
-from conveyor.ledger.models import BatchRow, RequestRow, ResultRow, ShardRow
+from conveyor.ledger.models import BatchRow, RequestRow, ResultRow, ShardRow, shard_of_task
 from conveyor.ledger.results import close_unfinished
 from conveyor.ledger.states import BatchStatus, ShardStatus
 from conveyor.wire_format.errors import REQUEST_QUARANTINED
@@ -188,6 +188,21 @@ def forget_message(session: Session, shard_id: int) -> None:
     """The task of a queued shard ended without claiming it: no broker message carries it now,
     so the reconciler sends it again."""
     session.connection().execute(_FORGET_MESSAGE, {"shard_id": shard_id})
+
+
+def forget_tasks(session: Session, task_ids: Iterable[str]) -> int:
+    """`forget_message` for the shards of these task ids (`ShardRow.task_id`) that are queued
+    under that very task, not sent again since; returns how many."""
+    forgotten = 0
+    for task_id in task_ids:
+        if (task := shard_of_task(task_id)) is None:
+            continue
+        shard_id, count = task
+        done = session.connection().execute(
+            _FORGET_MESSAGE.where(_shards.c.enqueue_count == count), {"shard_id": shard_id}
+        )
+        forgotten += done.rowcount
+    return forgotten
 
 
 def give_back_attempt(session: Session, shard_id: int) -> None:

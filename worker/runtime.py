@@ -23,11 +23,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from celery.worker import state as worker_state
 from sqlalchemy.orm import Session
 
+from conveyor.dispatch.broker import waiting_in
 from conveyor.dispatch.celery_app import make_celery
 from conveyor.dispatch.online import bus_for, online_queue
-from conveyor.dispatch.queues import queue_for, worker_queue
+from conveyor.dispatch.queues import queue_for, queue_owner, worker_queue
 from conveyor.dispatch.reconciler import ReconcilerLoop, reconcile
 from conveyor.engine.protocol import Engine
 from conveyor.ledger.batch_runs import record_run
@@ -39,6 +41,7 @@ from conveyor.ledger.shard_lifecycle import (
     claim_shard,
     close_shards,
     forget_message,
+    forget_tasks,
     give_back_attempt,
     record_engine_failure,
     shard_heartbeat,
@@ -172,6 +175,26 @@ class WorkerRuntime:
         self.writer.stop()
         self.writer.join(timeout=30)
         self._withdraw()
+        self._forget_unstarted()
+
+    def _forget_unstarted(self) -> None:
+        """The shards sent to this worker that will not start here: those Celery took and had
+        not started (the embedded broker never delivers a taken message again) and those in
+        this worker's own queues (routed here by prefix), which no one else reads. Their
+        messages are forgotten, so that the next reconcile (another worker's, or this one's
+        when it starts again) sends them at once, where it would wait out the grace it gives a
+        message that may still be on its way (a restarted `conveyor serve` stalled 20-30 s)."""
+        task_ids = {request.id for request in list(worker_state.reserved_requests)}
+        own = [queue for queue in self.queues if queue_owner(queue) == self.name]
+        try:
+            task_ids |= waiting_in(self.settings.broker_url, own)
+            with self.ledger.session() as session:
+                forgotten = forget_tasks(session, task_ids)
+        except Exception:  # the reconciler finds them once their grace has passed
+            log.warning("could not hand back the shards that did not start here", exc_info=True)
+            return
+        if forgotten:
+            log.info("%d shard(s) sent here and not started go back to the queue", forgotten)
 
     def _register(self) -> None:
         with self._registration:

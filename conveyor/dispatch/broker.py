@@ -81,20 +81,43 @@ def _waiting_in_embedded_broker(broker_url: str, live_workers: set[str] | None) 
     never delivers a taken message again, acknowledged or not, so a taken one carries nothing:
     a worker starts what it takes at once, and a shard still queued long after its message was
     taken lost it with a worker that stopped."""
+    rows = _embedded_messages(broker_url)
+    return _task_ids(payload for queue, payload in rows if _read(queue, live_workers))
+
+
+def _embedded_messages(broker_url: str) -> list[tuple[str, str]]:
+    """(queue, payload) of each message waiting in the embedded SQLite broker."""
     engine = sa.create_engine(broker_url.removeprefix(EMBEDDED_SCHEME))
     try:
         with engine.connect() as conn:
             if not sa.inspect(conn).has_table("kombu_message"):
-                return set()
+                return []
             rows = conn.execute(
                 sa.text(
                     "SELECT q.name, m.payload FROM kombu_message m "
                     "JOIN kombu_queue q ON q.id = m.queue_id WHERE m.visible"
                 )
             )
-            return _task_ids(payload for queue, payload in rows if _read(queue, live_workers))
+            return [(queue, payload) for queue, payload in rows]
     finally:
         engine.dispose()
+
+
+def waiting_in(broker_url: str, queues: Iterable[str]) -> set[str]:
+    """Task ids of the messages waiting in `queues` (Redis, or the embedded SQLite broker;
+    none for another broker)."""
+    names = list(queues)
+    if not names:
+        return set()
+    if is_redis_url(broker_url):
+        client = redis.Redis.from_url(broker_url)
+        try:
+            return {tid for name in names for tid in _task_ids(client.lrange(name, 0, -1))}
+        finally:
+            client.close()
+    if not broker_url.startswith(EMBEDDED_SCHEME):
+        return set()
+    return _task_ids(payload for queue, payload in _embedded_messages(broker_url) if queue in names)
 
 
 def ping(broker_url: str) -> None:

@@ -332,6 +332,27 @@ def test_a_task_that_ends_unclaimed_leaves_its_shard_to_the_reconciler(any_ledge
     assert [s.id for s in lost] == [shard_id]  # even where the broker cannot be looked into
 
 
+def test_the_tasks_of_a_stopping_worker_are_forgotten_only_as_sent(any_ledger: Ledger):
+    """`forget_tasks`: a queued shard under that very task goes back to the reconciler; one
+    sent again since (a newer task id), one running and an id of anything else are left."""
+    batch_id, shards = make_batch(any_ledger, batch_lines(6), shard_size=2)
+    (first, _, _), (second, _, _), (third, _, _) = shards
+    with any_ledger.session() as session:
+        tasks = shard_lifecycle.mark_enqueued(
+            session, [session.get(ShardRow, i) for i in (first, second, third)]
+        )
+    stale = tasks[1].task_id
+    with any_ledger.session() as session:
+        shard_lifecycle.mark_enqueued(session, [session.get(ShardRow, second)])  # sent again
+        assert shard_lifecycle.claim_shard(session, third, "w1") is not None  # running
+    ids = [tasks[0].task_id, stale, tasks[2].task_id, "celery-task-1", "shard-x-1"]
+    with any_ledger.session() as session:
+        assert shard_lifecycle.forget_tasks(session, ids) == 1
+    with any_ledger.session() as session:
+        lost = shard_lifecycle.shards_to_enqueue(session, batch_id, lambda: None, 60, 60)
+    assert [s.id for s in lost] == [first]
+
+
 def test_what_ran_a_batch_is_noted_once_per_worker_and_fingerprint(any_ledger: Ledger):
     from conveyor.ledger.batch_runs import record_run, runs_of
 

@@ -89,6 +89,9 @@ def test_ctrl_c_stops_serve_at_once_and_serving_again_finishes_the_batch(tmp_pat
         assert took < PROMPT_SECONDS, f"serve took {took:.1f} s to stop"
     log = (tmp_path / "serve.log").read_text()
     assert "conveyor serve: interrupted; its running shards went back" in log
+    # the shards routed to it and not started went back too: started again, the service sends
+    # them at once instead of after the grace it gives a message that may be on its way
+    assert "sent here and not started go back to the queue" in log, log[-3000:]
 
     with serving(sys.executable, tmp_path, env) as (url, _):
         done = wait_for(url, batch_id, timeout=240)
