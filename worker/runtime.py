@@ -26,7 +26,7 @@ from typing import Any
 from celery.worker import state as worker_state
 from sqlalchemy.orm import Session
 
-from conveyor.dispatch.broker import waiting_in
+from conveyor.dispatch.broker import take_waiting
 from conveyor.dispatch.celery_app import make_celery
 from conveyor.dispatch.online import bus_for, online_queue
 from conveyor.dispatch.queues import queue_for, queue_owner, worker_queue
@@ -180,14 +180,16 @@ class WorkerRuntime:
     def _forget_unstarted(self) -> None:
         """The shards sent to this worker that will not start here: those Celery took and had
         not started (the embedded broker never delivers a taken message again) and those in
-        this worker's own queues (routed here by prefix), which no one else reads. Their
-        messages are forgotten, so that the next reconcile (another worker's, or this one's
-        when it starts again) sends them at once, where it would wait out the grace it gives a
-        message that may still be on its way (a restarted `conveyor serve` stalled 20-30 s)."""
+        this worker's own queues (routed here by prefix), which it empties: no one else reads
+        them, and a worker started again under the same name (a container's host and pid)
+        would run them twice. Their messages are forgotten, so that the next reconcile (another
+        worker's, or this one's when it starts again) sends them at once, where it would wait
+        out the grace it gives a message that may still be on its way (a restarted `conveyor
+        serve` stalled 20-30 s)."""
         task_ids = {request.id for request in list(worker_state.reserved_requests)}
         own = [queue for queue in self.queues if queue_owner(queue) == self.name]
         try:
-            task_ids |= waiting_in(self.settings.broker_url, own)
+            task_ids |= take_waiting(self.settings.broker_url, own)
             with self.ledger.session() as session:
                 forgotten = forget_tasks(session, task_ids)
         except Exception:  # the reconciler finds them once their grace has passed

@@ -103,21 +103,48 @@ def _embedded_messages(broker_url: str) -> list[tuple[str, str]]:
         engine.dispose()
 
 
-def waiting_in(broker_url: str, queues: Iterable[str]) -> set[str]:
-    """Task ids of the messages waiting in `queues` (Redis, or the embedded SQLite broker;
-    none for another broker)."""
+def take_waiting(broker_url: str, queues: Iterable[str]) -> set[str]:
+    """Take the messages waiting in `queues` out of the broker (Redis, or the embedded SQLite
+    one; none from another broker) and return their task ids: for a worker emptying its own
+    queues as it stops, which no one else reads."""
     names = list(queues)
     if not names:
         return set()
     if is_redis_url(broker_url):
         client = redis.Redis.from_url(broker_url)
         try:
-            return {tid for name in names for tid in _task_ids(client.lrange(name, 0, -1))}
+            with client.pipeline(transaction=True) as pipe:
+                for name in names:
+                    pipe.lrange(name, 0, -1)
+                    pipe.delete(name)
+                replies = pipe.execute()
         finally:
             client.close()
+        return _task_ids(payload for reply in replies[0::2] for payload in reply)
     if not broker_url.startswith(EMBEDDED_SCHEME):
         return set()
-    return _task_ids(payload for queue, payload in _embedded_messages(broker_url) if queue in names)
+    engine = sa.create_engine(broker_url.removeprefix(EMBEDDED_SCHEME))
+    try:
+        with engine.begin() as conn:
+            if not sa.inspect(conn).has_table("kombu_message"):
+                return set()
+            rows = conn.execute(
+                sa.text(
+                    "SELECT m.id, m.payload FROM kombu_message m JOIN kombu_queue q "
+                    "ON q.id = m.queue_id WHERE m.visible AND q.name IN :names"
+                ).bindparams(sa.bindparam("names", expanding=True)),
+                {"names": names},
+            ).all()
+            if rows:
+                conn.execute(
+                    sa.text("DELETE FROM kombu_message WHERE id IN :ids").bindparams(
+                        sa.bindparam("ids", expanding=True)
+                    ),
+                    {"ids": [row[0] for row in rows]},
+                )
+            return _task_ids(row[1] for row in rows)
+    finally:
+        engine.dispose()
 
 
 def ping(broker_url: str) -> None:

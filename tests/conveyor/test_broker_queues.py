@@ -1,5 +1,6 @@
-"""`waiting_in`: the task ids waiting in some queues of the broker, Redis or the embedded SQLite
-one, on real servers; what a stopping worker reads from its own queues to hand them back."""
+"""`take_waiting`: the messages waiting in some queues of the broker, Redis or the embedded
+SQLite one (real servers), taken out with their task ids: what a stopping worker does with its
+own queues to hand their shards back. `live_task_ids`, the reconciler's look, sees the rest."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.dispatch.broker import waiting_in
+from conveyor.dispatch.broker import live_task_ids, take_waiting
 from conveyor.dispatch.celery_app import make_celery, send_shards
 from conveyor.dispatch.queues import queue_for, worker_queue
 from conveyor.ledger.shard_lifecycle import ShardTask
@@ -35,7 +36,10 @@ def test_the_ids_waiting_in_some_queues_and_not_others(broker_settings: Settings
         ],
     )
     url = broker_settings.broker_url
-    assert waiting_in(url, [own]) == {"shard-1-1", "shard-2-3"}
-    assert waiting_in(url, [own, shared]) == {"shard-1-1", "shard-2-3", "shard-4-1"}
-    assert waiting_in(url, []) == set()
-    assert waiting_in(url, [worker_queue(shared, "nobody")]) == set()
+    assert take_waiting(url, []) == set()
+    assert take_waiting(url, [worker_queue(shared, "nobody")]) == set()
+    assert take_waiting(url, [own]) == {"shard-1-1", "shard-2-3"}
+    assert take_waiting(url, [own]) == set()  # taken: gone from the broker
+    assert live_task_ids(url) == {"shard-3-1", "shard-4-1"}  # the other queues keep theirs
+    assert take_waiting(url, [other, shared]) == {"shard-3-1", "shard-4-1"}
+    assert live_task_ids(url) == set()
