@@ -3,9 +3,10 @@ to a worker and not yet acknowledged. The reconciler re-sends shards that are in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import redis
 import sqlalchemy as sa
@@ -81,26 +82,33 @@ def _waiting_in_embedded_broker(broker_url: str, live_workers: set[str] | None) 
     never delivers a taken message again, acknowledged or not, so a taken one carries nothing:
     a worker starts what it takes at once, and a shard still queued long after its message was
     taken lost it with a worker that stopped."""
-    rows = _embedded_messages(broker_url)
-    return _task_ids(payload for queue, payload in rows if _read(queue, live_workers))
+    with _embedded_broker(broker_url) as conn:
+        rows = _embedded_messages(conn)
+    return _task_ids(payload for _, queue, payload in rows if _read(queue, live_workers))
 
 
-def _embedded_messages(broker_url: str) -> list[tuple[str, str]]:
-    """(queue, payload) of each message waiting in the embedded SQLite broker."""
+@contextlib.contextmanager
+def _embedded_broker(broker_url: str) -> Iterator[sa.Connection]:
+    """A connection to the embedded SQLite broker, in one transaction."""
     engine = sa.create_engine(broker_url.removeprefix(EMBEDDED_SCHEME))
     try:
-        with engine.connect() as conn:
-            if not sa.inspect(conn).has_table("kombu_message"):
-                return []
-            rows = conn.execute(
-                sa.text(
-                    "SELECT q.name, m.payload FROM kombu_message m "
-                    "JOIN kombu_queue q ON q.id = m.queue_id WHERE m.visible"
-                )
-            )
-            return [(queue, payload) for queue, payload in rows]
+        with engine.begin() as conn:
+            yield conn
     finally:
         engine.dispose()
+
+
+def _embedded_messages(conn: sa.Connection) -> list[tuple[int, str, str]]:
+    """(id, queue, payload) of each message waiting in the embedded broker."""
+    if not sa.inspect(conn).has_table("kombu_message"):
+        return []
+    rows = conn.execute(
+        sa.text(
+            "SELECT m.id, q.name, m.payload FROM kombu_message m "
+            "JOIN kombu_queue q ON q.id = m.queue_id WHERE m.visible"
+        )
+    )
+    return [(id_, queue, payload) for id_, queue, payload in rows]
 
 
 def take_waiting(broker_url: str, queues: Iterable[str]) -> set[str]:
@@ -123,28 +131,17 @@ def take_waiting(broker_url: str, queues: Iterable[str]) -> set[str]:
         return _task_ids(payload for reply in replies[0::2] for payload in reply)
     if not broker_url.startswith(EMBEDDED_SCHEME):
         return set()
-    engine = sa.create_engine(broker_url.removeprefix(EMBEDDED_SCHEME))
-    try:
-        with engine.begin() as conn:
-            if not sa.inspect(conn).has_table("kombu_message"):
-                return set()
-            rows = conn.execute(
-                sa.text(
-                    "SELECT m.id, m.payload FROM kombu_message m JOIN kombu_queue q "
-                    "ON q.id = m.queue_id WHERE m.visible AND q.name IN :names"
-                ).bindparams(sa.bindparam("names", expanding=True)),
-                {"names": names},
-            ).all()
-            if rows:
-                conn.execute(
-                    sa.text("DELETE FROM kombu_message WHERE id IN :ids").bindparams(
-                        sa.bindparam("ids", expanding=True)
-                    ),
-                    {"ids": [row[0] for row in rows]},
-                )
-            return _task_ids(row[1] for row in rows)
-    finally:
-        engine.dispose()
+    with _embedded_broker(broker_url) as conn:
+        messages = _embedded_messages(conn)
+        taken = [(id_, payload) for id_, queue, payload in messages if queue in names]
+        if taken:
+            conn.execute(
+                sa.text("DELETE FROM kombu_message WHERE id IN :ids").bindparams(
+                    sa.bindparam("ids", expanding=True)
+                ),
+                {"ids": [id_ for id_, _ in taken]},
+            )
+    return _task_ids(payload for _, payload in taken)
 
 
 def ping(broker_url: str) -> None:
