@@ -88,7 +88,7 @@ def plan_device(
     ):
         raise ValueError(
             "elementwise native: the native kernels run bfloat16 on a CPU with AVX512-BF16 (hidden "
-            "and intermediate sizes multiples of 16, head sizes of 32) and float32 on a CPU with "
+            "and intermediate sizes multiples of 16, head sizes of 16) and float32 on a CPU with "
             "AVX2 and FMA (multiples of 8, head sizes of 16)"
         )
     elif elementwise == TRITON and not triton_available(device):

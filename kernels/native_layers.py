@@ -28,7 +28,7 @@ SOURCE = Path(__file__).parent / "csrc" / "layers_bf16.cpp"
 SOURCE_F32 = Path(__file__).parent / "csrc" / "layers_f32.cpp"
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # each kernel's sizes: hidden and intermediate sizes, head sizes, multiples of these
-_MULTIPLES = {torch.bfloat16: (16, 32), torch.float32: (8, 16)}
+_MULTIPLES = {torch.bfloat16: (16, 16), torch.float32: (8, 16)}
 _NAMES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 

@@ -10,7 +10,8 @@ transposed scores: ~3.4x the decode kernel run a row at a time. On a CPU with AM
 runs on the tile unit instead (`csrc/prefill_amx.cpp`, where Linux lends the process the tile
 registers): its two products there, the same softmax, the weights kept to ~16 bits; 2.0-2.6x
 the dot-product kernel on a 4,096-token step. Both cover blocks of 16
-tokens, head sizes 64 and 128 and up to 16 query heads per KV head, with a sliding window (only
+tokens, the head sizes of `HEAD_DIMS` (Phi-3's 96 and Gemma's 256 among them; heads of 16 only
+with the dot products) and up to 16 query heads per KV head, with a sliding window (only
 the blocks in it are read) and a soft cap on the scores; the compiled backend sends everything
 else to `compiled_paged` (decode) and `torch_paged` (prefill).
 
@@ -37,7 +38,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_bf16.cpp"
 AMX_SOURCE = Path(__file__).parent / "csrc" / "prefill_amx.cpp"
 BLOCK_SIZE = 16
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the kernels' instances (csrc/prefill_tile.h)
+AMX_HEAD_DIMS = tuple(d for d in HEAD_DIMS if d % 32 == 0)  # the tiles take 32 at a time
 MAX_GROUP = 16
 
 
@@ -185,10 +187,12 @@ def prefill_attention(
     """Same inputs and results as `torch_paged.prefill_attention`, this step's K/V already in
     the cache: each chunk's queries attend causally to their sequence's blocks, 16 query
     vectors (rows times the query heads of a KV head) at a time, by the kernel of `isa` (one of
-    `prefill_kernels()`; by default the first)."""
+    `prefill_kernels()`; by default the first that takes this head size)."""
     assert _library() is not None, "check covers() first"
-    kernels = prefill_kernels()
-    kernel = kernels[0][1] if isa is None else dict(kernels)[isa]
+    kernels = dict(prefill_kernels())
+    if isa is None:
+        isa = next(i for i in kernels if i != "amx" or query.shape[2] in AMX_HEAD_DIMS)
+    kernel = kernels[isa]
     return run_prefill(
         kernel, query, k_cache, v_cache, block_tables, query_start, context_lens, scale,
         return_lse, window, softcap,

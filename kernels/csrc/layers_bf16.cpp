@@ -84,6 +84,21 @@ int64_t first_max(const uint16_t* row, int64_t n) {
   return result < 0 ? 0 : result;  // every value -inf: the first, as torch
 }
 
+// Rope's 16 lanes from c of one head: x[c..], x[half + c..] into o likewise, by `load` and
+// `store` (whole vectors, or masked to half a vector).
+template <typename Load, typename Store>
+inline void rope16(const uint16_t* x, const uint16_t* cr, const uint16_t* sr, uint16_t* o,
+                   int64_t half, int64_t c, Load load, Store store) {
+  const __m512 lo = load(x + c), hi = load(x + half + c);
+  const __m512 neg_hi = _mm512_sub_ps(_mm512_setzero_ps(), hi);
+  const __m512 lo_cos = round_bf16(_mm512_mul_ps(lo, load(cr + c)));
+  const __m512 hi_cos = round_bf16(_mm512_mul_ps(hi, load(cr + half + c)));
+  const __m512 lo_sin = round_bf16(_mm512_mul_ps(neg_hi, load(sr + c)));
+  const __m512 hi_sin = round_bf16(_mm512_mul_ps(lo, load(sr + half + c)));
+  store(o + c, _mm512_add_ps(lo_cos, lo_sin));
+  store(o + half + c, _mm512_add_ps(hi_cos, hi_sin));
+}
+
 }  // namespace
 
 extern "C" {
@@ -137,7 +152,7 @@ void conveyor_silu_mul_bf16(const uint16_t* gate_up, int64_t in_stride, uint16_t
 // Rope in the half-rotation layout: out = round(round(x * cos) + round(rotate(x) * sin)) with
 // rotate(x) = (-x[half:], x[:half]), for every head of q ([rows, q_heads, dim] at row stride
 // `q_stride`) into q_out ([rows, q_heads, dim]) and of k into k_out likewise. cos and sin are
-// [rows, dim]; dim a multiple of 32.
+// [rows, dim]; dim a multiple of 32, or 16.
 void conveyor_rope_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
                         const uint16_t* cos, const uint16_t* sin, uint16_t* q_out,
                         uint16_t* k_out, int64_t rows, int64_t q_heads, int64_t k_heads,
@@ -152,15 +167,14 @@ void conveyor_rope_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, 
       const int64_t head = is_q ? h : h - q_heads;
       const uint16_t* x = (is_q ? q + r * q_stride : k + r * k_stride) + head * dim;
       uint16_t* o = (is_q ? q_out + r * q_heads * dim : k_out + r * k_heads * dim) + head * dim;
-      for (int64_t c = 0; c < half; c += 16) {
-        const __m512 lo = load16(x + c), hi = load16(x + half + c);
-        const __m512 neg_hi = _mm512_sub_ps(_mm512_setzero_ps(), hi);
-        const __m512 lo_cos = round_bf16(_mm512_mul_ps(lo, load16(cr + c)));
-        const __m512 hi_cos = round_bf16(_mm512_mul_ps(hi, load16(cr + half + c)));
-        const __m512 lo_sin = round_bf16(_mm512_mul_ps(neg_hi, load16(sr + c)));
-        const __m512 hi_sin = round_bf16(_mm512_mul_ps(lo, load16(sr + half + c)));
-        store16(o + c, _mm512_add_ps(lo_cos, lo_sin));
-        store16(o + half + c, _mm512_add_ps(hi_cos, hi_sin));
+      if (half % 16 == 0) {
+        for (int64_t c = 0; c < half; c += 16)
+          rope16(x, cr, sr, o, half, c, [](const uint16_t* p) { return load16(p); },
+                 [](uint16_t* p, __m512 v) { store16(p, v); });
+      } else {  // a head of 16: half a vector
+        const __mmask16 m = static_cast<__mmask16>((1u << half) - 1);
+        rope16(x, cr, sr, o, half, 0, [m](const uint16_t* p) { return load16(p, m); },
+               [m](uint16_t* p, __m512 v) { store16(p, v, m); });
       }
     }
   }

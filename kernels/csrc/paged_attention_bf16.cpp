@@ -63,6 +63,20 @@ inline uint16_t to_bf16(float f) {  // round to nearest even, as torch does
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// 32 elements of a row of D from p: a head of 16 fills the lower half (the upper zero)
+template <int64_t D>
+inline __m512bh load_chunk(const uint16_t* p) {
+  if constexpr (D % 32 != 0) return (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, p);
+  return (__m512bh)_mm512_loadu_si512(p);
+}
+
+// 16 pairs of elements of a row of D from p, likewise
+template <int64_t D>
+inline __m512i load_pairs(const uint16_t* p) {
+  if constexpr (D % 32 != 0) return _mm512_maskz_loadu_epi32(0xFF, p);
+  return _mm512_loadu_si512(p);
+}
+
 // G: the query heads per KV head when it is a compile-time constant (the loops over them
 // unrolled, their sums kept in registers: ~20% faster at G = 2), or 0 for any count.
 template <int64_t D, int64_t G>
@@ -70,7 +84,9 @@ void decode(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_ca
             const int32_t* tables, const int32_t* context_lens, uint16_t* out, float* lse,
             int64_t batch, int64_t heads, int64_t kv_heads, int64_t table_width, float scale,
             int threads, int64_t window, float softcap) {
-  constexpr int64_t C = D / 32, V = D / 16;  // 32 bf16 per dot-product chunk, 16 floats per row chunk
+  // 32 bf16 per dot-product chunk (a head of 16: one chunk, its upper half zero), 16 floats
+  // per row chunk
+  constexpr int64_t C = (D + 31) / 32, V = D / 16;
   const int64_t group = G > 0 ? G : heads / kv_heads;
   const int64_t block_stride = kv_heads * kBlock * D;
   const __m512 vscale = _mm512_set1_ps(scale);
@@ -99,7 +115,7 @@ void decode(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_ca
     alignas(64) float probs[kMaxGroup][kBlock];
     for (int64_t g = 0; g < group; ++g) {
       const uint16_t* qh = query + (b * heads + kvh * group + g) * D;
-      for (int64_t c = 0; c < C; ++c) q[g][c] = (__m512bh)_mm512_loadu_si512(qh + c * 32);
+      for (int64_t c = 0; c < C; ++c) q[g][c] = load_chunk<D>(qh + c * 32);
       for (int64_t c = 0; c < V; ++c) acc[g][c] = _mm512_setzero_ps();
       top[g] = -std::numeric_limits<float>::infinity();
       total[g] = 0.f;
@@ -144,7 +160,7 @@ void decode(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_ca
           __m512bh rows[4][C];
           for (int64_t r = 0; r < 4; ++r)
             for (int64_t c = 0; c < C; ++c)
-              rows[r][c] = (__m512bh)_mm512_loadu_si512(k + (4 * quad + r) * D + c * 32);
+              rows[r][c] = load_chunk<D>(k + (4 * quad + r) * D + c * 32);
           for (int64_t g = g0; g < g1; ++g) {
             __m512 d[4];
             for (int64_t r = 0; r < 4; ++r) {
@@ -231,9 +247,9 @@ void prefill(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_c
       for (int64_t c = 0; c < P; c += 16) {
         __m512i block[16];
         for (int64_t j = 0; j < kBlock; ++j)
-          block[j] = _mm512_loadu_si512(k + j * D + 2 * c);
+          block[j] = load_pairs<D>(k + j * D + 2 * c);
         transpose16(block);
-        for (int64_t j = 0; j < 16; ++j) kt[c + j] = block[j];
+        for (int64_t j = 0; j < 16 && c + j < P; ++j) kt[c + j] = block[j];
       }
       __m512 scores[kTile];
 #pragma GCC unroll 16
@@ -295,14 +311,13 @@ int conveyor_paged_decode_bf16(const uint16_t* query, const uint16_t* k_cache,
                                int64_t table_width, float scale, int threads, int64_t window,
                                float softcap) {
   if (kv_heads < 1 || heads % kv_heads != 0 || heads / kv_heads > kMaxGroup) return -1;
-  if (head_dim != 64 && head_dim != 128) return -1;
   const auto run = [&](auto d, auto g) {
     decode<decltype(d)::value, decltype(g)::value>(query, k_cache, v_cache, tables,
                                                    context_lens, out, lse, batch, heads,
                                                    kv_heads, table_width, scale, threads,
                                                    window, softcap);
   };
-  const auto for_group = [&](auto d) {
+  return conveyor::for_head_dim(head_dim, [&](auto d) {
     switch (heads / kv_heads) {
       case 1: return run(d, std::integral_constant<int64_t, 1>{});
       case 2: return run(d, std::integral_constant<int64_t, 2>{});
@@ -310,13 +325,7 @@ int conveyor_paged_decode_bf16(const uint16_t* query, const uint16_t* k_cache,
       case 8: return run(d, std::integral_constant<int64_t, 8>{});
       default: return run(d, std::integral_constant<int64_t, 0>{});
     }
-  };
-  if (head_dim == 64) {
-    for_group(std::integral_constant<int64_t, 64>{});
-  } else {
-    for_group(std::integral_constant<int64_t, 128>{});
-  }
-  return 0;
+  });
 }
 
 // Returns 0, or -1 for a shape this kernel does not cover. query/out [T, heads, head_dim], the

@@ -146,17 +146,20 @@ extern "C" {
 // Whether this process may use the tile registers (it asks Linux for them once: 1 if granted).
 int conveyor_amx_ready() { return conveyor::amx_permitted() ? 1 : 0; }
 
-// paged_attention_bf16.cpp's conveyor_paged_prefill_bf16 on the tile unit, the same arguments.
+// paged_attention_bf16.cpp's conveyor_paged_prefill_bf16 on the tile unit, the same arguments;
+// head sizes of a multiple of 32 (-1 for 16).
 int conveyor_paged_prefill_amx(const uint16_t* query, const uint16_t* k_cache,
                                const uint16_t* v_cache, const int32_t* tables,
                                const int32_t* query_start, const int32_t* context_lens,
                                uint16_t* out, float* lse, int64_t seqs, int64_t heads,
                                int64_t kv_heads, int64_t head_dim, int64_t table_width,
                                float scale, int threads, int64_t window, float softcap) {
+  if (head_dim % 32 != 0) return -1;  // the tiles take 32 dimensions at a time
   return conveyor::for_prefill_shape(heads, kv_heads, head_dim, [&](auto d) {
-    prefill<decltype(d)::value>(query, k_cache, v_cache, tables, query_start, context_lens, out,
-                                lse, seqs, heads, kv_heads, table_width, scale, threads, window,
-                                softcap);
+    if constexpr (decltype(d)::value % 32 == 0)
+      prefill<decltype(d)::value>(query, k_cache, v_cache, tables, query_start, context_lens,
+                                  out, lse, seqs, heads, kv_heads, table_width, scale, threads,
+                                  window, softcap);
   });
 }
 }

@@ -175,19 +175,27 @@ void write_prefill_rows(const PrefillTile& tile, const int32_t* query_start, int
   }
 }
 
-// run(std::integral_constant<int64_t, D>{}) for a head size D of 64 or 128 and at most 16 query
-// heads per KV head: 0, or -1 for a shape the prefill kernels do not take.
+// The head sizes the bfloat16 attention kernels are built for (kHeadDims in native_paged.py):
+// run(std::integral_constant<int64_t, D>{}) for head_dim, and 0; -1 for any other size.
+template <typename Run>
+int for_head_dim(int64_t head_dim, Run run) {
+  switch (head_dim) {
+    case 16: run(std::integral_constant<int64_t, 16>{}); return 0;
+    case 32: run(std::integral_constant<int64_t, 32>{}); return 0;
+    case 64: run(std::integral_constant<int64_t, 64>{}); return 0;
+    case 96: run(std::integral_constant<int64_t, 96>{}); return 0;
+    case 128: run(std::integral_constant<int64_t, 128>{}); return 0;
+    case 256: run(std::integral_constant<int64_t, 256>{}); return 0;
+    default: return -1;
+  }
+}
+
+// run(std::integral_constant<int64_t, D>{}) for a head size of for_head_dim's and at most 16
+// query heads per KV head: 0, or -1 for a shape the prefill kernels do not take.
 template <typename Run>
 int for_prefill_shape(int64_t heads, int64_t kv_heads, int64_t head_dim, Run run) {
   if (kv_heads < 1 || heads % kv_heads != 0 || heads / kv_heads > kPrefillTile) return -1;
-  if (head_dim == 64) {
-    run(std::integral_constant<int64_t, 64>{});
-  } else if (head_dim == 128) {
-    run(std::integral_constant<int64_t, 128>{});
-  } else {
-    return -1;
-  }
-  return 0;
+  return for_head_dim(head_dim, run);
 }
 
 }  // namespace conveyor

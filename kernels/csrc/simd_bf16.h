@@ -14,6 +14,11 @@ inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> float32
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
+inline __m512 load16(const uint16_t* p, __mmask16 lanes) {  // the lanes of `lanes`; others 0
+  const __m256i half = _mm256_maskz_loadu_epi16(lanes, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
 inline float bf16_to_float(uint16_t v) {
   const uint32_t bits = static_cast<uint32_t>(v) << 16;
   float f;
@@ -32,6 +37,10 @@ inline __m512 round_bf16(__m512 x) {  // x rounded to bfloat16 and back
 
 inline void store16(uint16_t* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(x));
+}
+
+inline void store16(uint16_t* p, __m512 x, __mmask16 lanes) {  // the lanes of `lanes` only
+  _mm256_mask_storeu_epi16(p, lanes, to_bf16(x));
 }
 
 // e^x for 16 floats: 2^n * 2^f with f in [-0.5, 0.5], 2^f by its Taylor series to degree 7

@@ -51,7 +51,10 @@ def test_the_native_kernels_cover_what_they_take():
         assert not native_layers.covers(512, 64, 1408, dtype)
     assert not native_layers.covers(512, 24, 1408, torch.float32)  # half a head: 12 lanes
     assert not native_layers.covers(516, 64, 1408, torch.float32)
-    assert not native_layers.covers(512, 16, 1408, torch.bfloat16)
+    assert not native_layers.covers(512, 24, 1408, torch.bfloat16)  # half a head: 12 lanes
+    assert native_layers.covers(512, 16, 1408, torch.bfloat16) == native_layers.available(
+        torch.bfloat16
+    )
     assert native_layers.covers(512, 16, 1400, torch.float32) == native_layers.available(
         torch.float32
     )

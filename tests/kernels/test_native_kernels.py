@@ -24,6 +24,15 @@ PREFILL = [
 ]  # fmt: skip
 
 
+def prefill_cases(*shapes):
+    """Each prefill kernel with each (heads, kv_heads, head_dim): AMX's tiles take heads of a
+    multiple of 32 only."""
+    return [pytest.param(isa.values[0], *shape, marks=isa.marks,
+                         id="-".join(map(str, (isa.values[0], *shape))))
+            for isa in PREFILL for shape in shapes
+            if isa.values[0] != "amx" or shape[2] in native_paged.AMX_HEAD_DIMS]  # fmt: skip
+
+
 def setup(lens, heads, kv_heads, head_dim, seed=0):
     k_cache, v_cache, tables, g = paged_setup(
         lens, 16, kv_heads, head_dim, seed=seed, dtype=torch.bfloat16
@@ -44,8 +53,9 @@ def setup(lens, heads, kv_heads, head_dim, seed=0):
 )
 @pytest.mark.parametrize(
     "heads, kv_heads, head_dim",
-    [(8, 4, 64), (4, 4, 128), (16, 1, 64), (8, 1, 128), (6, 2, 64), (16, 4, 64)],
-)
+    [(8, 4, 64), (4, 4, 128), (16, 1, 64), (8, 1, 128), (6, 2, 64), (16, 4, 64),
+     (4, 2, 16), (8, 4, 32), (8, 2, 96), (4, 2, 256), (3, 1, 16)],
+)  # fmt: skip
 def test_native_decode_matches_dense(lens, heads, kv_heads, head_dim) -> None:
     query, k_cache, v_cache, tables, context = setup(lens, heads, kv_heads, head_dim, len(lens))
     assert native_paged.covers(query, k_cache)
@@ -84,7 +94,9 @@ def test_native_decode_of_many_sequences_is_the_same_on_any_number_of_threads(
         assert torch.equal(got[n][0], got[1][0]) and torch.equal(got[n][1], got[1][1])
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 4, 64), (8, 1, 128), (6, 2, 64)])
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim", [(8, 4, 64), (8, 1, 128), (6, 2, 64), (4, 2, 16), (4, 2, 96)]
+)
 def test_native_decode_ignores_what_lies_past_a_context(heads, kv_heads, head_dim) -> None:
     """The decode reads whole blocks: NaN and infinity in a last block's rows past the context
     (a pool's stale or unwritten rows) change nothing."""
@@ -98,9 +110,10 @@ def test_native_decode_ignores_what_lies_past_a_context(heads, kv_heads, head_di
 
 
 @pytest.mark.parametrize(
-    "heads, kv_heads, head_dim", [(8, 4, 64), (4, 4, 128), (6, 2, 64), (16, 1, 64)]
-)
-@pytest.mark.parametrize("isa", PREFILL)
+    "isa, heads, kv_heads, head_dim",
+    prefill_cases((8, 4, 64), (4, 4, 128), (6, 2, 64), (16, 1, 64), (4, 2, 16), (8, 4, 32),
+                  (8, 2, 96), (4, 2, 256), (3, 1, 16)),
+)  # fmt: skip
 def test_native_prefill_matches_the_reference(isa, heads, kv_heads, head_dim) -> None:
     """Chunks with nothing cached before them and chunks after a cached context, of 1 to 120
     rows: whole tiles of query vectors and partial ones, diagonal blocks partly masked."""
@@ -125,7 +138,9 @@ def test_native_prefill_matches_the_reference(isa, heads, kv_heads, head_dim) ->
 
 @pytest.mark.parametrize("window, softcap", [(1, None), (16, None), (40, None), (None, 2.0),
                                              (23, 0.5), (5000, 30.0)])  # fmt: skip
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 4, 64), (4, 4, 128), (8, 1, 64)])
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim", [(8, 4, 64), (4, 4, 128), (8, 1, 64), (4, 2, 16), (4, 1, 256)]
+)
 def test_native_decode_honours_a_window_and_a_soft_cap(window, softcap, heads, kv_heads, head_dim):
     """Windows that start inside a block, on a block's edge, past the longest context; caps
     low enough to flatten the scores (Gemma 2's attention cap is 50)."""
@@ -145,8 +160,10 @@ def test_native_decode_honours_a_window_and_a_soft_cap(window, softcap, heads, k
 
 @pytest.mark.parametrize("window, softcap", [(1, None), (16, None), (37, None), (None, 1.5),
                                              (20, 0.5)])  # fmt: skip
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 4, 64), (4, 4, 128), (16, 1, 64)])
-@pytest.mark.parametrize("isa", PREFILL)
+@pytest.mark.parametrize(
+    "isa, heads, kv_heads, head_dim",
+    prefill_cases((8, 4, 64), (4, 4, 128), (16, 1, 64), (4, 2, 16), (4, 1, 256)),
+)
 def test_native_prefill_honours_a_window_and_a_soft_cap(
     isa, window, softcap, heads, kv_heads, head_dim
 ):
@@ -171,18 +188,21 @@ def test_native_prefill_honours_a_window_and_a_soft_cap(
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("isa", PREFILL)
+@pytest.mark.parametrize("isa, heads, kv_heads, head_dim", prefill_cases((8, 4, 64), (8, 4, 16)))
 @pytest.mark.parametrize("window", [None, 7])
-def test_native_prefill_ignores_what_lies_past_a_context(isa, window) -> None:
+def test_native_prefill_ignores_what_lies_past_a_context(
+    isa, heads, kv_heads, head_dim, window
+) -> None:
     """NaN in K and infinity in V in the rows past each context change nothing: the scores
     there are masked, and the tile unit's P.V (where 0 times infinity would be NaN) never
     meets those V rows."""
     lens, chunks = [40, 17, 9, 90], [40, 5, 9, 3]
-    k_cache, v_cache, tables, g = paged_setup(lens, 16, 4, 64, seed=6, dtype=torch.bfloat16)
+    k_cache, v_cache, tables, g = paged_setup(lens, 16, kv_heads, head_dim, seed=6,
+                                              dtype=torch.bfloat16)  # fmt: skip
     starts = [0]
     for n in chunks:
         starts.append(starts[-1] + n)
-    query = torch.randn(starts[-1], 8, 64, generator=g).to(torch.bfloat16)
+    query = torch.randn(starts[-1], heads, head_dim, generator=g).to(torch.bfloat16)
     args = (starts, lens, 0.2, False, window, None, isa)
     want = native_paged.prefill_attention(query, k_cache, v_cache, tables, *args)
     poison_past_contexts(k_cache, v_cache, tables, lens)
@@ -209,7 +229,7 @@ def test_what_the_native_kernel_covers() -> None:
     query, k_cache, _, _, _ = setup([5], 8, 4, 64)
     assert native_paged.covers(query, k_cache)
     assert not native_paged.covers(query.float(), k_cache.float())  # float32: inductor's
-    assert not native_paged.covers(query[..., :32], k_cache[..., :32])  # head size 32
+    assert not native_paged.covers(query[..., :48], k_cache[..., :48])  # head size 48
     wide = torch.zeros(4, 4, 32, 64, dtype=torch.bfloat16)  # blocks of 32 tokens
     assert not native_paged.covers(query, wide)
 
@@ -264,3 +284,15 @@ def test_native_write_kv_matches_the_reference() -> None:
     got_k, got_v = torch.zeros_like(want_k), torch.zeros_like(want_v)
     native_paged.write_kv(key, value, got_k, got_v, slots)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+def test_a_head_of_16_prefills_on_the_dot_products_where_the_tiles_take_32() -> None:
+    lens = [40, 9]
+    k_cache, v_cache, tables, g = paged_setup(lens, 16, 2, 16, seed=9, dtype=torch.bfloat16)
+    query = torch.randn(49, 4, 16, generator=g).to(torch.bfloat16)
+    args = (k_cache, v_cache, tables, [0, 40, 49], lens, 0.25)
+    chosen = native_paged.prefill_attention(query, *args)
+    assert torch.equal(chosen, native_paged.prefill_attention(query, *args, isa="avx512_bf16"))
+    if any(isa == "amx" for isa, _ in native_paged.prefill_kernels()):
+        with pytest.raises(ValueError, match="does not cover"):
+            native_paged.prefill_attention(query, *args, isa="amx")
