@@ -14,8 +14,10 @@ pool size are dynamic, so no later step compiles again. It needs a C++ compiler.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 import torch._dynamo
@@ -73,7 +75,13 @@ def _persistent_cache() -> None:
 
 
 _persistent_cache()
-_compiled = compile_kernel(_decode_core, dynamic=False)
+
+
+@functools.cache
+def _compiled() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The compiled decode, made on first use: making it imports inductor (~1.6 s), which a
+    process whose attention all runs the native kernels never needs."""
+    return compile_kernel(_decode_core, dynamic=False)
 
 
 def _mark_dynamic(query, k_cache, v_cache, tables, lens, first) -> None:
@@ -160,7 +168,7 @@ def _decode(
         first = torch.zeros_like(lens) if window is None else (lens - window).clamp_(min=0)
         _mark_dynamic(query, k_cache, v_cache, tables, lens, first)
         cap = None if softcap is None else float(softcap)
-        return _compiled(query, k_cache, v_cache, tables, lens, first, float(scale), cap)
+        return _compiled()(query, k_cache, v_cache, tables, lens, first, float(scale), cap)
 
 
 def compiler_missing() -> str | None:
