@@ -20,7 +20,6 @@ import os
 from collections.abc import Callable
 
 import torch
-import torch._dynamo
 
 from conveyor.kernels.compile_limits import compile_kernel
 from conveyor.kernels.cpu_build import cache_dir, cxx
@@ -89,7 +88,8 @@ def _mark_dynamic(query, k_cache, v_cache, tables, lens, first) -> None:
     # included (mark_dynamic would specialise on 1). Head counts, head size and block size
     # stay static so inductor can unroll and vectorise over them. The batch hint of 1 makes it
     # split work over (batch, KV head), which keeps both cores busy for small batches too.
-    mark = torch._dynamo.decorators.mark_unbacked
+    from torch._dynamo.decorators import mark_unbacked as mark
+
     for t in (query, tables, lens, first):
         mark(t, 0, shape_id="batch", hint_override=1)
     mark(tables, 1, hint_override=32)

@@ -8,7 +8,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
@@ -76,8 +75,10 @@ def any_token_count(*tensors: torch.Tensor) -> None:
     time. Else dynamo specialises on a count of 1, or on a count that happens to equal another
     dim (duck sizing), and compiles again for the next step's count: seconds each time, after
     the warm-up, on a live request."""
+    from torch._dynamo.decorators import mark_unbacked  # dynamo's import takes ~1.6 s: not at start
+
     for t in tensors:
-        torch._dynamo.decorators.mark_unbacked(t, 0, shape_id="tokens")
+        mark_unbacked(t, 0, shape_id="tokens")
 
 
 class RMSNorm(nn.Module):
