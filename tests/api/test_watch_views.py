@@ -184,9 +184,10 @@ def test_queues_count_the_projects_own_work(ledger: Ledger) -> None:
 def test_the_page_files_ship_with_the_package() -> None:
     # a non-editable install (the API's image) must carry every file the API serves
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    patterns = config["tool"]["setuptools"]["package-data"]["conveyor.api"]
-    files = [p.relative_to(ROOT / "api").as_posix() for p in (ROOT / "api" / "ui").rglob("*")]
-    assert {"ui/index.html", "ui/app.js", "ui/style.css"} <= set(files)
+    patterns = config["tool"]["setuptools"]["package-data"]["conveyor.api.ui"]
+    ui = ROOT / "api" / "ui"
+    files = [p.relative_to(ui).as_posix() for p in ui.rglob("*")]
+    assert {"index.html", "app.js", "style.css"} <= set(files)
     for name in files:
         assert any(fnmatch.fnmatchcase(name, p) for p in patterns), f"{name} would not ship"
 
