@@ -15,7 +15,7 @@ with the dot products) and up to 16 query heads per KV head, with a sliding wind
 the blocks in it are read) and a soft cap on the scores; the compiled backend sends everything
 else to `compiled_paged` (decode) and `torch_paged` (prefill).
 
-It is built with the C++ compiler on first use (under a second) into
+It is built with the C++ compiler on first use (5-15 s, once per machine and source) into
 `~/.cache/conveyor/kernels/` (or `$XDG_CACHE_HOME/conveyor/kernels/`), named by a hash of its
 source and flags, and loaded with ctypes; it runs on torch's OpenMP runtime with torch's thread
 count (not OpenMP's default for the calling thread, which would be every core).
