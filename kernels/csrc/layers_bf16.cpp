@@ -152,7 +152,7 @@ void conveyor_silu_mul_bf16(const uint16_t* gate_up, int64_t in_stride, uint16_t
 // Rope in the half-rotation layout: out = round(round(x * cos) + round(rotate(x) * sin)) with
 // rotate(x) = (-x[half:], x[:half]), for every head of q ([rows, q_heads, dim] at row stride
 // `q_stride`) into q_out ([rows, q_heads, dim]) and of k into k_out likewise. cos and sin are
-// [rows, dim]; dim a multiple of 32, or 16.
+// [rows, dim]; dim a multiple of 16.
 void conveyor_rope_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
                         const uint16_t* cos, const uint16_t* sin, uint16_t* q_out,
                         uint16_t* k_out, int64_t rows, int64_t q_heads, int64_t k_heads,
@@ -167,13 +167,13 @@ void conveyor_rope_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, 
       const int64_t head = is_q ? h : h - q_heads;
       const uint16_t* x = (is_q ? q + r * q_stride : k + r * k_stride) + head * dim;
       uint16_t* o = (is_q ? q_out + r * q_heads * dim : k_out + r * k_heads * dim) + head * dim;
-      if (half % 16 == 0) {
-        for (int64_t c = 0; c < half; c += 16)
-          rope16(x, cr, sr, o, half, c, [](const uint16_t* p) { return load16(p); },
-                 [](uint16_t* p, __m512 v) { store16(p, v); });
-      } else {  // a head of 16: half a vector
-        const __mmask16 m = static_cast<__mmask16>((1u << half) - 1);
-        rope16(x, cr, sr, o, half, 0, [m](const uint16_t* p) { return load16(p, m); },
+      int64_t c = 0;
+      for (; c + 16 <= half; c += 16)
+        rope16(x, cr, sr, o, half, c, [](const uint16_t* p) { return load16(p); },
+               [](uint16_t* p, __m512 v) { store16(p, v); });
+      if (c < half) {  // a half of 8 more (heads of 16, 48, 80, ...): half a vector
+        const __mmask16 m = static_cast<__mmask16>((1u << (half - c)) - 1);
+        rope16(x, cr, sr, o, half, c, [m](const uint16_t* p) { return load16(p, m); },
                [m](uint16_t* p, __m512 v) { store16(p, v, m); });
       }
     }

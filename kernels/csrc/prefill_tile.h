@@ -175,7 +175,7 @@ void write_prefill_rows(const PrefillTile& tile, const int32_t* query_start, int
   }
 }
 
-// The head sizes the bfloat16 attention kernels are built for (kHeadDims in native_paged.py):
+// The head sizes the bfloat16 attention kernels are built for (HEAD_DIMS in native_paged.py):
 // run(std::integral_constant<int64_t, D>{}) for head_dim, and 0; -1 for any other size.
 template <typename Run>
 int for_head_dim(int64_t head_dim, Run run) {

@@ -88,7 +88,7 @@ def test_silu_mul(tokens, dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("head_dim", [16, 32, 64, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [16, 32, 48, 64, 80, 96, 128, 256])
 def test_rope(tokens, head_dim, dtype) -> None:
     heads, kv_heads = 8, 2
     qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, scale=2, seed=7, dtype=dtype)
