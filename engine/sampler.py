@@ -246,8 +246,13 @@ def _past_nucleus(probs: torch.Tensor, reached: torch.Tensor, top_p: torch.Tenso
 def first_max_index(x: torch.Tensor) -> torch.Tensor:
     """Each row's argmax, the first index on ties. `max(dim).indices` gives the same answer
     and on the CPU runs several times faster than `argmax` (2 vs 9 ms for 256 x 32,000);
-    bfloat16 rows on a CPU with AVX512-BF16 take `native_layers`' one pass, 5-8x faster."""
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and native_layers.available(x.dtype):
+    on a CPU where `native_layers` runs the rows' dtype (bfloat16 with AVX512-BF16, float32
+    with AVX2) its one pass is faster again: 5-8x in bfloat16, ~5x in float32."""
+    if (
+        x.dtype in (torch.bfloat16, torch.float32)
+        and x.device.type == "cpu"
+        and native_layers.available(x.dtype)
+    ):
         return native_layers.first_max_index(x)
     return x.max(dim=-1).indices
 

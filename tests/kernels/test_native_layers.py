@@ -104,20 +104,23 @@ def test_rope(tokens, head_dim, dtype) -> None:
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 
-@needs_bf16
-@pytest.mark.parametrize("rows, n", [(1, 32000), (96, 32000), (5, 37), (3, 151936)])
-def test_first_max_index(rows, n) -> None:
-    logits = randn(rows, n, seed=9)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, n", [(1, 32000), (96, 32000), (5, 37), (3, 151936), (4, 7)])
+def test_first_max_index(rows, n, dtype) -> None:
+    logits = randn(rows, n, seed=9, dtype=dtype)
     assert torch.equal(native_layers.first_max_index(logits), logits.max(dim=-1).indices)
-    tied = torch.randint(0, 3, (50, n), generator=torch.Generator().manual_seed(10)).to(BF16)
+    tied = torch.randint(0, 3, (50, n), generator=torch.Generator().manual_seed(10)).to(dtype)
     assert torch.equal(native_layers.first_max_index(tied), tied.float().argmax(dim=-1))
 
 
-@needs_bf16
-def test_first_max_index_of_nan_and_minus_infinity_rows() -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_first_max_index_of_nan_and_minus_infinity_rows(dtype) -> None:
     """As torch: a NaN wins (the first one); a row of -inf gives its first index."""
-    logits = torch.full((3, 40), float("-inf"), dtype=BF16)
+    logits = torch.full((5, 40), float("-inf"), dtype=dtype)
     logits[1, 20] = logits[1, 7] = float("nan")
-    logits[2, 35] = 1.0  # past the last whole vector of 16
-    assert native_layers.first_max_index(logits).tolist() == [0, 7, 35]
-    assert logits.max(dim=-1).indices.tolist() == [0, 7, 35]
+    logits[2, 35] = 1.0  # past the last whole vector of 16 (and of float32's run of 32)
+    logits[3, 5] = 2.0
+    logits[3, 38] = float("nan")  # a NaN in the tail, after a maximum in the whole vectors
+    logits[4, 3] = logits[4, 33] = 1.0  # a tie across the whole vectors and the tail
+    assert native_layers.first_max_index(logits).tolist() == [0, 7, 35, 38, 3]
+    assert logits.max(dim=-1).indices.tolist() == [0, 7, 35, 38, 3]
