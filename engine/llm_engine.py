@@ -372,7 +372,8 @@ class LLMEngine:
     def warm_up(self) -> None:
         """Compile what compiles (on a CPU: the decode attention, norms and rope) before the
         first request: a throwaway request's prefill and a few decode steps; and on a CPU,
-        build the projections' kernels for every decode batch size; with Triton kernels,
+        build the projections' kernels for every decode batch size whose products are cheap
+        enough for a new kernel's build to show (`warm_up_products`); with Triton kernels,
         compile every variant of the attention and experts kernels a step can meet."""
         if self.device.type == "cpu":
             self.runner.model.warm_up_products(self.engine_config.max_num_seqs)

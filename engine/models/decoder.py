@@ -42,6 +42,13 @@ from conveyor.kernels import AttentionBackend, AttentionMetadata, native_layers
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 # checkpoint module name -> (our packed module name, shard)
+# The most a warm-up product run may cost (one of each projection shape and the output layer
+# at one row count): past it a decode step's products take ~10 ms or more on a CPU and hide the
+# ~0.3 ms of a new shape's kernel, while warming every row count up to 256 costs all their
+# products: ~2 minutes for a Qwen2.5-0.5B in float32 on a 2-core CPU (its 151,936-way output
+# layer), where this bound stops at 6 rows.
+WARM_UP_ROW_FLOPS = 2e9
+
 PACKED = {
     "q_proj": ("qkv_proj", "q"),
     "k_proj": ("qkv_proj", "k"),
@@ -363,12 +370,14 @@ class DecoderForCausalLM(nn.Module):
                 if hasattr(module, "warm_up_kernels"):
                     module.warm_up_kernels(done)
 
-    def warm_up_products(self, max_rows: int) -> None:
+    def warm_up_products(self, max_rows: int) -> int:
         """Run each distinct projection (one layer's and the output layer) at every row count
-        up to `max_rows`, a decode step's possible batch sizes: oneDNN builds a product kernel
-        the first time it meets a shape (~0.3 ms), which would otherwise fall on live steps."""
+        up to `max_rows`, a decode step's possible batch sizes, as far as their products at
+        that count cost at most `WARM_UP_ROW_FLOPS`: oneDNN builds a product kernel the first
+        time it meets a shape (~0.3 ms), which would otherwise fall on live steps. Returns the
+        last row count run (0: none)."""
         if self.packed_lm_head is None:
-            return
+            return 0
         shapes: dict[tuple[int, int], Linear] = {}
         for module in self.model.modules():
             if isinstance(module, Linear):
@@ -376,11 +385,15 @@ class DecoderForCausalLM(nn.Module):
         hidden = self.model.embed_tokens.weight.shape[1]
         projections = [(m, m.in_features) for m in shapes.values()]
         projections.append((self.compute_logits, hidden))
+        row_flops = sum(2 * m.in_features * m.out_features for m in shapes.values())
+        row_flops += 2 * hidden * self.lm_head.out_features
+        last = min(max_rows, int(WARM_UP_ROW_FLOPS // row_flops))
         dtype = self.model.embed_tokens.weight.dtype
         with torch.inference_mode():
-            for rows in range(1, max_rows + 1):
+            for rows in range(1, last + 1):
                 for projection, features in projections:
                     projection(torch.zeros(rows, features, dtype=dtype))
+        return last
 
     def prepack(self) -> None:
         """Once the weights are loaded: every projection and the output layer in oneDNN's

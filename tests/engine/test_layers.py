@@ -81,18 +81,10 @@ def test_loaded_model_prepacks_its_output_layer(checkpoints):
     )
 
 
-def test_warm_up_runs_every_projection_at_every_decode_batch_size(checkpoints, monkeypatch):
-    """oneDNN builds a product kernel per shape the first time it meets it: a worker's warm-up
-    meets every projection shape at every batch size a decode step can have, and the cache
-    those kernels live in is sized to keep them all."""
-    import os
+def record_products(monkeypatch) -> set[tuple[int, int, int]]:
+    """The (rows, in, out) of every oneDNN product run from now on."""
+    from conveyor.engine.models.layers import PrepackedLinear
 
-    from conveyor.engine import LLM
-    from conveyor.engine.models.layers import ONEDNN_CACHE_CAPACITY, PrepackedLinear
-
-    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
-    llm = LLM(str(checkpoints["llama"]), device="cpu", dtype="float32", max_num_seqs=12)
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_CAPACITY)
     seen = set()
     run = PrepackedLinear.__call__
 
@@ -101,6 +93,22 @@ def test_warm_up_runs_every_projection_at_every_decode_batch_size(checkpoints, m
         return run(self, x, bias)
 
     monkeypatch.setattr(PrepackedLinear, "__call__", record)
+    return seen
+
+
+def test_warm_up_runs_every_projection_at_every_decode_batch_size(checkpoints, monkeypatch):
+    """oneDNN builds a product kernel per shape the first time it meets it: a worker's warm-up
+    meets every projection shape at every batch size a decode step can have, and the cache
+    those kernels live in is sized to keep them all."""
+    import os
+
+    from conveyor.engine import LLM
+    from conveyor.engine.models.layers import ONEDNN_CACHE_CAPACITY
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    llm = LLM(str(checkpoints["llama"]), device="cpu", dtype="float32", max_num_seqs=12)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_CAPACITY)
+    seen = record_products(monkeypatch)
     llm.warm_up()
     model = llm.runner.model
     shapes = {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, Linear)}
@@ -108,3 +116,28 @@ def test_warm_up_runs_every_projection_at_every_decode_batch_size(checkpoints, m
     assert len(shapes) == 5  # q/k/v, o, gate/up, down, the output layer
     for rows in range(1, 13):
         assert {(rows, *shape) for shape in shapes} <= seen
+
+
+def test_warm_up_stops_at_the_batch_sizes_whose_products_hide_a_kernel_build(
+    checkpoints, monkeypatch
+):
+    """Warming every batch size up to 256 costs all their products, minutes for a real model's
+    output layer on a CPU: the warm-up runs the sizes whose products cost at most
+    WARM_UP_ROW_FLOPS, each projection at each of them, and none past them."""
+    from conveyor.engine import LLM
+    from conveyor.engine.models import decoder
+
+    llm = LLM(str(checkpoints["llama"]), device="cpu", dtype="float32", max_num_seqs=12)
+    model = llm.runner.model
+    shapes = {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, Linear)}
+    shapes.add((model.lm_head.in_features, model.lm_head.out_features))
+    row_flops = sum(2 * k * n for k, n in shapes)
+    seen = record_products(monkeypatch)
+    monkeypatch.setattr(decoder, "WARM_UP_ROW_FLOPS", 5 * row_flops + 1)
+    assert model.warm_up_products(12) == 5
+    assert seen == {(rows, *shape) for rows in range(1, 6) for shape in shapes}
+    seen.clear()
+    monkeypatch.setattr(decoder, "WARM_UP_ROW_FLOPS", row_flops - 1)
+    assert model.warm_up_products(12) == 0 and not seen
+    monkeypatch.setattr(decoder, "WARM_UP_ROW_FLOPS", 1e15)
+    assert model.warm_up_products(12) == 12  # never past a decode step's largest batch
