@@ -1,15 +1,17 @@
 """Hypothesis against the running service with a real model: thousands of completion and chat
-bodies with numbers of every size in them, online (streamed or not) and then all together as
-one batch. The bar: no 5xx, every refusal a 4xx naming a field, no internal_error line, and
-no engine death (the service's one engine is never rebuilt)."""
+bodies with numbers of every size in them, online (streamed or not; eight clients at once, so
+that hostile requests share the engine's steps with others) and then all together as one
+batch. The bar: no 5xx, every refusal a 4xx naming a field, no internal_error line, and no
+engine death (the service's one engine is never rebuilt)."""
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from conveyor.testing import download, embedded_serve, submit_batch, wait_for
@@ -17,7 +19,8 @@ from tests.request_strategies import CHATS, COMPLETIONS
 
 MODEL = "tiny"
 ONLINE_CASES = 1200  # completions; chats a third of that; then the completions as a batch
-ENGINE = ("--max-model-len", "64", "--max-num-seqs", "8")
+CLIENTS = 8  # requests in flight at once, as many as the engine's batch takes
+ENGINE = ("--max-model-len", "64", "--max-num-seqs", str(CLIENTS))
 
 
 def body_of(url: str, fields: dict, stream: bool) -> dict:
@@ -46,7 +49,9 @@ def assert_answered_or_refused(answer: httpx.Response, body: dict) -> bool:
 def fuzz(
     client: httpx.Client, url: str, strategy: st.SearchStrategy, cases: int, sent: list
 ) -> None:
-    """`cases` bodies drawn from `strategy`, each sent to `url` (and kept in `sent`)."""
+    """`cases` bodies drawn from `strategy`, each sent to `url` (and kept in `sent`), up to
+    CLIENTS at a time: the engine's steps mix them as they mix any clients' requests."""
+    drawn: list[dict] = []
 
     @settings(
         max_examples=cases,
@@ -54,14 +59,20 @@ def fuzz(
         database=None,
         derandomize=True,
         suppress_health_check=list(HealthCheck),
+        phases=[Phase.generate],
     )
     @given(fields=strategy, stream=st.booleans())
-    def run(fields: dict, stream: bool) -> None:
-        body = body_of(url, fields, stream)
-        answered = assert_answered_or_refused(client.post(url, json=body), body)
-        sent.append((url, {k: v for k, v in body.items() if k != "stream"}, answered))
+    def draw(fields: dict, stream: bool) -> None:
+        drawn.append(body_of(url, fields, stream))
 
-    run()
+    draw()
+
+    def send(body: dict) -> tuple[str, dict, bool]:
+        answered = assert_answered_or_refused(client.post(url, json=body), body)
+        return url, {k: v for k, v in body.items() if k != "stream"}, answered
+
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        sent.extend(pool.map(send, drawn))
 
 
 def test_hostile_numbers_never_reach_a_5xx_or_kill_the_engine(
