@@ -96,6 +96,12 @@ def record_products(monkeypatch) -> set[tuple[int, int, int]]:
     return seen
 
 
+def product_shapes(model) -> set[tuple[int, int]]:
+    """The (in, out) of each distinct projection of `model` and of its output layer."""
+    shapes = {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, Linear)}
+    return shapes | {(model.lm_head.in_features, model.lm_head.out_features)}
+
+
 def test_warm_up_runs_every_projection_at_every_decode_batch_size(checkpoints, monkeypatch):
     """oneDNN builds a product kernel per shape the first time it meets it: a worker's warm-up
     meets every projection shape at every batch size a decode step can have, and the cache
@@ -111,8 +117,7 @@ def test_warm_up_runs_every_projection_at_every_decode_batch_size(checkpoints, m
     seen = record_products(monkeypatch)
     llm.warm_up()
     model = llm.runner.model
-    shapes = {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, Linear)}
-    shapes.add((model.lm_head.in_features, model.lm_head.out_features))
+    shapes = product_shapes(model)
     assert len(shapes) == 5  # q/k/v, o, gate/up, down, the output layer
     for rows in range(1, 13):
         assert {(rows, *shape) for shape in shapes} <= seen
@@ -129,8 +134,7 @@ def test_warm_up_stops_at_the_batch_sizes_whose_products_hide_a_kernel_build(
 
     llm = LLM(str(checkpoints["llama"]), device="cpu", dtype="float32", max_num_seqs=12)
     model = llm.runner.model
-    shapes = {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, Linear)}
-    shapes.add((model.lm_head.in_features, model.lm_head.out_features))
+    shapes = product_shapes(model)
     row_flops = sum(2 * k * n for k, n in shapes)
     seen = record_products(monkeypatch)
     monkeypatch.setattr(decoder, "WARM_UP_ROW_FLOPS", 5 * row_flops + 1)
