@@ -225,14 +225,21 @@ class StepLayout:
         long_rope: LongRope | None = None,
         num_groups: int = 1,
     ) -> StepLayout:
-        if (
-            long_rope is None
-            and num_groups == 1
-            and not prompt_logprob_seqs
-            and all(item.num_new_tokens == 1 for item in scheduled)
-        ):
-            return cls._decodes(scheduled, block_size)
-        step, bs = cls(), block_size
+        # the leading decodes (most of a step, a prompt chunk or two after them) are laid out
+        # whole lists at a time; the rest a token at a time
+        num_decodes = 0
+        if long_rope is None and num_groups == 1:
+            num_decodes = next(
+                (
+                    i
+                    for i, item in enumerate(scheduled)
+                    if item.num_new_tokens != 1 or item.seq.seq_id in prompt_logprob_seqs
+                ),
+                len(scheduled),
+            )
+        step, bs = cls._decodes(scheduled[:num_decodes], block_size), block_size
+        if num_decodes == len(scheduled):
+            return step
         tables, slots = step.tables[0], step.slots[0]
         # the other groups: their own tables and slots, the lengths of the first group's
         step.tables += [
@@ -240,7 +247,7 @@ class StepLayout:
             for _ in range(num_groups - 1)
         ]
         step.slots += [[] for _ in range(num_groups - 1)]
-        for item in scheduled:
+        for item in scheduled[num_decodes:]:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
             row = len(step.input_ids)
@@ -275,8 +282,9 @@ class StepLayout:
 
     @classmethod
     def _decodes(cls, scheduled: list[ScheduledSeq], bs: int) -> StepLayout:
-        """`of` for a step of one new token per sequence, one KV group, no prompt logprobs
-        and no LongRoPE (most steps): whole lists at a time instead of a token at a time."""
+        """`of` for steps of one new token per sequence, one KV group, no prompt logprobs and
+        no LongRoPE (most steps, or their leading decodes): whole lists at a time instead of a
+        token at a time."""
         step = cls()
         seqs = [item.seq for item in scheduled]
         starts = [seq.num_computed_tokens for seq in seqs]
