@@ -201,6 +201,14 @@ class ModelRunner:
         return ForwardResult(sample_logits, prompt_hidden, prompt_boundaries)
 
 
+def _leading_decodes(scheduled: list[ScheduledSeq], prompt_logprob_seqs: set[int]) -> int:
+    """How many of the first `scheduled` are decodes without prompt logprobs."""
+    for i, item in enumerate(scheduled):
+        if item.num_new_tokens != 1 or item.seq.seq_id in prompt_logprob_seqs:
+            return i
+    return len(scheduled)
+
+
 @dataclass
 class StepLayout:
     """Where each scheduled sequence's tokens sit in one step's flat batch."""
@@ -229,14 +237,7 @@ class StepLayout:
         # whole lists at a time; the rest a token at a time
         num_decodes = 0
         if long_rope is None and num_groups == 1:
-            num_decodes = next(
-                (
-                    i
-                    for i, item in enumerate(scheduled)
-                    if item.num_new_tokens != 1 or item.seq.seq_id in prompt_logprob_seqs
-                ),
-                len(scheduled),
-            )
+            num_decodes = _leading_decodes(scheduled, prompt_logprob_seqs)
         step, bs = cls._decodes(scheduled[:num_decodes], block_size), block_size
         if num_decodes == len(scheduled):
             return step
