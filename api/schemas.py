@@ -298,7 +298,8 @@ class EnginePlan(BaseModel):
     """How a worker's engine runs each piece on its device, chosen once at start (see the
     engine's `device_plan`): attention, elementwise (norms, rope, activation), projections,
     CUDA graphs for decode steps (`off (why)` when not), a mixture-of-experts model's experts
-    (`none` for a dense model); `reasons` says why a piece is not the fastest kind."""
+    (`none` for a dense model), how sampled tokens are drawn; `reasons` says why a piece is not
+    the fastest kind."""
 
     device: str
     capability: str
@@ -307,6 +308,7 @@ class EnginePlan(BaseModel):
     projections: str
     graphs: str = "none"
     experts: str = "none"
+    sampling: str = "torch"
     reasons: dict[str, str] = {}
 
 

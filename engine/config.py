@@ -192,6 +192,13 @@ class EngineConfig:
         "AVX512-BF16 or AMX) or grouped (torch's grouped products; default auto)",
         choices=("auto", "triton", "native", "grouped"),
     )
+    sampling: str = _option(
+        "auto",
+        "how a sampled row's token is drawn: auto (the fastest this device runs), native (x86 "
+        "CPUs with AVX2: one kernel call for the step's rows) or torch (softmax, a float64 "
+        "cumulative sum and a search; default auto)",
+        choices=("auto", "native", "torch"),
+    )
     generation_config: str = _option(
         "auto",
         "the sampling a request that omits a field gets: auto (the checkpoint's "

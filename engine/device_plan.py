@@ -13,7 +13,11 @@ implementations of a piece:
   path needs avx512bw/vl/dq or avx_ne_convert), the plain product (cuBLAS, MKL) elsewhere;
 - experts (mixture-of-experts models): `kernels.triton_moe` on CUDA, `kernels.native_experts`
   on an x86 CPU it covers (float32 with AVX2, on AVX-512's lanes where the CPU has them;
-  bfloat16 with AMX or AVX512-BF16), torch's grouped products elsewhere.
+  bfloat16 with AMX or AVX512-BF16), torch's grouped products elsewhere;
+- sampling (a sampled row's draw): `kernels.native_layers.draw` on a CPU with AVX2, torch's
+  softmax and cumulative sum elsewhere. The two sum in float64 in different orders, so a
+  seeded request's tokens may differ between them where a draw falls within rounding of a
+  token's edge: the plan is part of the model's fingerprint.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ log = logging.getLogger(__name__)
 
 ELEMENTWISE = ("auto", TRITON, NATIVE, COMPILED, EAGER)
 EXPERTS = ("auto", TRITON, NATIVE, GROUPED)
+TORCH = "torch"
+SAMPLING = ("auto", NATIVE, TORCH)
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class DevicePlan:
     graphs: str = "none"
     # a mixture-of-experts model's experts: triton, native or grouped ("none": a dense model)
     experts: str = "none"
+    sampling: str = TORCH  # native or torch
     reasons: dict[str, str] = field(default_factory=dict)  # piece -> why it is not the fastest
 
     def describe(self) -> str:
@@ -53,6 +60,7 @@ class DevicePlan:
                   f"projections {self.projections}", f"graphs {self.graphs}"]  # fmt: skip
         if self.experts != "none":
             pieces.append(f"experts {self.experts}")
+        pieces.append(f"sampling {self.sampling}")
         text = f"{self.device} ({self.capability}): " + ", ".join(pieces)
         if self.reasons:
             text += "; " + "; ".join(f"{k}: {v}" for k, v in self.reasons.items())
@@ -73,10 +81,11 @@ def plan_device(
     elementwise: str = "auto",
     expert_inter: int | None = None,
     experts: str = "auto",
+    sampling: str = "auto",
 ) -> DevicePlan:
     """The plan for a model of these sizes in `dtype` on `device` (`expert_inter`: the
-    intermediate size of its experts, None for a dense model); `attention`, `elementwise` and
-    `experts` are the user's choices ("auto": the fastest this device runs)."""
+    intermediate size of its experts, None for a dense model); `attention`, `elementwise`,
+    `experts` and `sampling` are the user's choices ("auto": the fastest this device runs)."""
     if elementwise not in ELEMENTWISE:
         choices = ", ".join(ELEMENTWISE)
         raise ValueError(f"elementwise must be one of {choices}, got {elementwise!r}")
@@ -106,8 +115,9 @@ def plan_device(
         experts = _experts(device, dtype, hidden, expert_inter, experts, reasons)
     else:
         experts = "none"
+    sampling = _sampling(device, sampling, reasons)
     return DevicePlan(str(device), _capability(device), attention, elementwise, projections,
-                      experts=experts, reasons=reasons)  # fmt: skip
+                      experts=experts, sampling=sampling, reasons=reasons)  # fmt: skip
 
 
 def _experts(
@@ -139,6 +149,22 @@ def _experts(
     if device.type == "cpu":
         reasons["experts"] = f"no native experts kernel for {_name(dtype)} here"
     return GROUPED
+
+
+def _sampling(device: torch.device, chosen: str, reasons: dict[str, str]) -> str:
+    """How a sampled row's token is drawn: `chosen`, checked, or for "auto" the fastest here."""
+    if chosen not in SAMPLING:
+        raise ValueError(f"sampling must be one of {', '.join(SAMPLING)}, got {chosen!r}")
+    native = device.type == "cpu" and native_layers.available(torch.float32)
+    if chosen == NATIVE and not native:
+        raise ValueError("sampling native: the native draw runs on x86 CPUs with AVX2 and FMA")
+    if chosen != "auto":
+        return chosen
+    if native:
+        return NATIVE
+    if device.type == "cpu":
+        reasons["sampling"] = "the native draw does not run on this CPU (or did not build)"
+    return TORCH
 
 
 def _fastest_elementwise(

@@ -117,7 +117,7 @@ class LLMEngine:
         )  # fmt: skip
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
-        self.sampler = Sampler(generator)
+        self.sampler = Sampler(generator, self.plan.sampling)
         self.structured_outputs = StructuredOutputs(
             self.tokenizer, self.vocab_size, self.eos_token_ids
         )
@@ -219,6 +219,7 @@ class LLMEngine:
             self.device, self.dtype, backend.name, elementwise=self.engine_config.elementwise,
             hidden=net.model.embed_tokens.weight.shape[1], head_dim=net.head_dim,
             intermediate=intermediate, experts=self.engine_config.experts,
+            sampling=self.engine_config.sampling,
             expert_inter=math.gcd(*widths) if (widths := net.expert_widths()) else None,
         )  # fmt: skip
         log.info("engine plan: %s", plan.describe())
@@ -266,7 +267,7 @@ class LLMEngine:
 
         def step() -> None:
             largest_step(
-                net, backend, Sampler(torch.Generator(self.device)),
+                net, backend, Sampler(torch.Generator(self.device), self.plan.sampling),
                 num_tokens=min(c.max_num_batched_tokens, self._longest()), num_rows=c.max_num_seqs,
                 block_size=c.block_size, vocab_size=self.vocab_size, device=self.device,
                 dtype=self.dtype,

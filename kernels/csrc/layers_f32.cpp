@@ -9,9 +9,11 @@
 // but for the order of its sum of squares, and SiLU's e^x is `exp8` (within ~1e-7 of torch's).
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "simd_avx2.h"
 
@@ -90,9 +92,97 @@ int64_t first_max(const float* row, int64_t n) {
   return result < 0 ? 0 : result;  // every value -inf: the first, as torch
 }
 
+// A sampled row's token: the inverse of its distribution's cumulative sum at u. Weights
+// w = e^(x / t - max / t) (a weight under min_p, the smallest share of the most likely token's
+// that is kept, is 0), summed in float64 in blocks of 64 (each block's sum in a fixed order,
+// then the blocks one after another); the token is the first whose running sum passes u times
+// the total: the block that passes it, then its tokens one by one. Three passes over the row,
+// the weights kept in `w` between the last two, where softmax, a float64 copy and its cumulative
+// sum cost six. A row whose maximum is not finite (every token -inf, a NaN, +inf) gives that
+// maximum's index, as the greedy pick does.
+constexpr int64_t kDrawBlock = 64;
+
+int64_t draw(const float* row, int64_t n, float t, float min_p, float u, std::vector<float>& w,
+             std::vector<double>& blocks) {
+  const int64_t top = first_max(row, n);
+  const float m = row[top];
+  if (!std::isfinite(m)) return top;
+  const int64_t num_blocks = (n + kDrawBlock - 1) / kDrawBlock;
+  if (static_cast<int64_t>(w.size()) < num_blocks * kDrawBlock) w.resize(num_blocks * kDrawBlock);
+  if (static_cast<int64_t>(blocks.size()) < num_blocks) blocks.resize(num_blocks);
+  // the most likely token's weight (e^0 as exp8 gives it) times min_p
+  const float top_weight = _mm256_cvtss_f32(conveyor::exp8(_mm256_setzero_ps()));
+  const __m256 vt = _mm256_set1_ps(t), vm = _mm256_set1_ps(m / t);
+  const __m256 vmin = _mm256_set1_ps(min_p * top_weight);
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  double total = 0.0;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+    for (int64_t i = b * kDrawBlock; i < (b + 1) * kDrawBlock; i += 8) {
+      __m256 x;
+      if (i + 8 <= n) {
+        x = _mm256_loadu_ps(row + i);
+      } else {  // past the row: weight 0
+        alignas(32) float tail[8];
+        for (int j = 0; j < 8; ++j)
+          tail[j] = i + j < n ? row[i + j] : -std::numeric_limits<float>::infinity();
+        x = _mm256_load_ps(tail);
+      }
+      __m256 e = conveyor::exp8(_mm256_sub_ps(_mm256_div_ps(x, vt), vm));
+      e = _mm256_and_ps(e, _mm256_cmp_ps(e, vmin, _CMP_GE_OQ));
+      e = _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), e);
+      _mm256_storeu_ps(w.data() + i, e);
+      lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+      hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    }
+    alignas(32) double lanes[8];
+    _mm256_store_pd(lanes, lo);
+    _mm256_store_pd(lanes + 4, hi);
+    double sum = 0.0;
+    for (double lane : lanes) sum += lane;
+    blocks[b] = sum;
+    total += sum;
+  }
+  const double target = static_cast<double>(u) * total;
+  double before = 0.0;  // the weights of the blocks before this one
+  int64_t last = top;   // the last token with weight: where rounding leaves the target unpassed
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    if (before + blocks[b] > target) {
+      double running = before;
+      for (int64_t i = b * kDrawBlock; i < std::min(n, (b + 1) * kDrawBlock); ++i) {
+        if (w[i] > 0.f) last = i;
+        running += w[i];
+        if (running > target) return i;
+      }
+    } else if (blocks[b] > 0.0) {
+      for (int64_t i = std::min(n, (b + 1) * kDrawBlock) - 1; i >= b * kDrawBlock; --i)
+        if (w[i] > 0.f) {
+          last = i;
+          break;
+        }
+    }
+    before += blocks[b];
+  }
+  return last;
+}
+
 }  // namespace
 
 extern "C" {
+
+// out[r] = row r's sampled token (`draw`) at temperature t[r], min_p[r] and the uniform number
+// u[r] in [0, 1); rows `stride` elements apart. A row's token does not depend on the other rows.
+void conveyor_draw_f32(const float* x, int64_t rows, int64_t n, int64_t stride, const float* t,
+                       const float* min_p, const float* u, int64_t* out, int threads) {
+#pragma omp parallel num_threads(rows >= 4 ? threads : 1)
+  {
+    thread_local std::vector<float> w;
+    thread_local std::vector<double> blocks;
+#pragma omp for
+    for (int64_t r = 0; r < rows; ++r)
+      out[r] = draw(x + r * stride, n, t[r], min_p[r], u[r], w, blocks);
+  }
+}
 
 // out[r] = the index of row r's first maximum; rows `stride` elements apart.
 void conveyor_argmax_f32(const float* x, int64_t rows, int64_t n, int64_t stride, int64_t* out,

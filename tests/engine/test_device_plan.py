@@ -172,3 +172,37 @@ def test_the_plan_chooses_how_experts_run(monkeypatch, checkpoints):
     llm = LLM(str(checkpoints["qwen3_moe"]), device="cpu", dtype="float32", experts="grouped")
     kernels = {m.kernel for m in llm.runner.model.modules() if isinstance(m, Experts)}
     assert llm.plan.experts == "grouped" and kernels == {"grouped"}
+
+
+def test_the_plan_chooses_how_tokens_are_drawn(monkeypatch, checkpoints):
+    """On a CPU the native draw where the float32 kernels run (else torch's, saying why); on
+    CUDA torch's; overridable; the engine's sampler draws as its plan says, and the choice is
+    part of the model's fingerprint."""
+    from conveyor.engine import LLM
+
+    monkeypatch.setattr(native_layers, "available", lambda dtype: dtype == torch.float32)
+    plan = plan_device(CPU, torch.bfloat16, "torch", **DIMS)
+    assert plan.sampling == "native" and "sampling native" in plan.describe()
+    forced = plan_device(CPU, torch.bfloat16, "torch", sampling="torch", **DIMS)
+    assert forced.sampling == "torch" and "sampling" not in forced.reasons
+    with pytest.raises(ValueError, match="sampling must be one of"):
+        plan_device(CPU, torch.float32, "torch", sampling="fast", **DIMS)
+    monkeypatch.setattr(native_layers, "available", lambda dtype: False)
+    plan = plan_device(CPU, torch.float32, "torch", **DIMS)
+    assert plan.sampling == "torch" and "native draw" in plan.reasons["sampling"]
+    with pytest.raises(ValueError, match="sampling native"):
+        plan_device(CPU, torch.float32, "torch", sampling="native", **DIMS)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _: (9, 0))
+    assert plan_device(torch.device("cuda", 0), torch.bfloat16, "triton", **DIMS).sampling == (
+        "torch"
+    )
+    monkeypatch.undo()
+
+    engines = {
+        draw: LLM(str(checkpoints["llama"]), device="cpu", dtype="float32", sampling=draw)
+        for draw in ("torch", "native" if native_layers.available(torch.float32) else "torch")
+    }
+    for draw, llm in engines.items():
+        assert llm.plan.sampling == draw and llm.sampler.native_draw == (draw == "native")
+    if len(engines) == 2:
+        assert engines["torch"].fingerprint != engines["native"].fingerprint

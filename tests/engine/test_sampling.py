@@ -9,9 +9,20 @@ import torch
 
 from conveyor.engine import LLM, SamplingParams
 from conveyor.engine.sampler import first_max_index
+from conveyor.kernels import native_layers
 from tests.hf_reference import hf_greedy, random_prompts
 
 PROMPTS = random_prompts(40, 4, 120, seed=5)
+# how a sampled row is drawn: torch's ops, and the native kernel where this CPU runs it
+DRAWS = [
+    "torch",
+    pytest.param(
+        "native",
+        marks=pytest.mark.skipif(
+            not native_layers.available(torch.float32), reason="this CPU has no AVX2 and FMA"
+        ),
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +231,8 @@ def test_plain_greedy_rows_are_picked_from_logits_in_their_own_dtype(monkeypatch
     assert widened == [torch.bfloat16, torch.bfloat16]
 
 
-def test_only_the_sampled_rows_of_a_mixed_step_are_sampled():
+@pytest.mark.parametrize("draw", DRAWS)
+def test_only_the_sampled_rows_of_a_mixed_step_are_sampled(draw):
     """One sampled row among greedy ones draws noise for its own row alone (the generator moves
     as far as for that row sampled by itself) and the greedy rows keep their argmax, with or
     without logprobs asked for."""
@@ -229,8 +241,8 @@ def test_only_the_sampled_rows_of_a_mixed_step_are_sampled():
 
     logits = torch.randn(64, 700, generator=torch.Generator().manual_seed(2))
     for extra in ({}, {"logprobs": 1}):
-        mixed = Sampler(torch.Generator().manual_seed(9))
-        alone = Sampler(torch.Generator().manual_seed(9))
+        mixed = Sampler(torch.Generator().manual_seed(9), draw)
+        alone = Sampler(torch.Generator().manual_seed(9), draw)
         rows = [SampleRequest(SamplingParams(temperature=0, **extra), None, []) for _ in range(64)]
         rows[40] = SampleRequest(SamplingParams(temperature=1.0, **extra), None, [])
         result = mixed(logits, rows)
@@ -275,12 +287,14 @@ def test_stop_strings_give_the_text_of_the_whole_decode(llm):
     assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
 
 
-def sampled_frequencies(logits: torch.Tensor, params: SamplingParams, draws: int) -> torch.Tensor:
+def sampled_frequencies(
+    logits: torch.Tensor, params: SamplingParams, draws: int, draw: str
+) -> torch.Tensor:
     """How often each token of one row of `logits` is drawn in `draws` rows sampled at once."""
     from conveyor.engine.logits_processors import SampleRequest
     from conveyor.engine.sampler import Sampler
 
-    sampler = Sampler(torch.Generator().manual_seed(3))
+    sampler = Sampler(torch.Generator().manual_seed(3), draw)
     rows = [SampleRequest(params, None, []) for _ in range(draws)]
     tokens = torch.tensor(sampler(logits.expand(draws, -1).clone(), rows).token_ids)
     return torch.bincount(tokens, minlength=logits.shape[-1]).double() / draws
@@ -296,7 +310,8 @@ def sampled_frequencies(logits: torch.Tensor, params: SamplingParams, draws: int
         (SamplingParams(temperature=1.0, top_k=4, top_p=0.999), [0, 1, 2, 3]),
     ],
 )
-def test_sampled_tokens_follow_the_distribution(params, kept):
+@pytest.mark.parametrize("draw", DRAWS)
+def test_sampled_tokens_follow_the_distribution(params, kept, draw):
     """Each token is drawn as often as its probability says (within 5 standard deviations of
     40,000 draws): the softmax at the row's temperature, renormalised over what top-k, top-p
     and min-p keep; a token they drop is never drawn."""
@@ -309,7 +324,7 @@ def test_sampled_tokens_follow_the_distribution(params, kept):
         want = torch.where(mask, want, 0.0)
         want /= want.sum()
     draws = 40_000
-    got = sampled_frequencies(logits, params, draws)
+    got = sampled_frequencies(logits, params, draws, draw)
     sigma = (want * (1 - want) / draws).sqrt()
     assert ((got - want).abs() <= 5 * sigma + 1e-12).all(), (got, want)
     assert (got[want == 0] == 0).all()
@@ -339,7 +354,8 @@ def test_top_k_and_top_p_keep_what_a_sort_of_the_whole_vocabulary_keeps():
         assert kept[1] == 20 and kept[3] == vocab  # top_p 1: the k, or all of the row
 
 
-def test_a_draw_is_one_number_a_row_whatever_the_vocabulary():
+@pytest.mark.parametrize("draw", DRAWS)
+def test_a_draw_is_one_number_a_row_whatever_the_vocabulary(draw):
     """A sampled row moves the generator by one number, not one a token (the draw inverts the
     row's cumulative sum), so a seeded row's next draw does not depend on the vocabulary."""
     from conveyor.engine.logits_processors import SampleRequest
@@ -347,7 +363,7 @@ def test_a_draw_is_one_number_a_row_whatever_the_vocabulary():
 
     for vocab in (10, 50_000):
         seeded = torch.Generator().manual_seed(11)
-        sampler = Sampler(torch.Generator().manual_seed(0))
+        sampler = Sampler(torch.Generator().manual_seed(0), draw)
         rows = [SampleRequest(SamplingParams(temperature=1.0), seeded, [])]
         sampler(torch.zeros(1, vocab), rows)
         reference = torch.Generator().manual_seed(11)

@@ -124,3 +124,53 @@ def test_first_max_index_of_nan_and_minus_infinity_rows(dtype) -> None:
     logits[4, 3] = logits[4, 33] = 1.0  # a tie across the whole vectors and the tail
     assert native_layers.first_max_index(logits).tolist() == [0, 7, 35, 38, 3]
     assert logits.max(dim=-1).indices.tolist() == [0, 7, 35, 38, 3]
+
+
+def torch_draw(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, u):
+    """The torch path's draw (engine.sampler): softmax, min_p, float64 cumulative sum, search."""
+    from conveyor.engine.sampler import _inverse_cdf
+
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    probs = probs.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * min_p[:, None], 0)
+    return _inverse_cdf(probs, u)
+
+
+@needs_avx2
+@pytest.mark.parametrize("rows, n", [(256, 32000), (8, 151936), (40, 100), (30, 13), (9, 64)])
+def test_draw_picks_the_token_the_torch_draw_picks(rows, n) -> None:
+    """The same uniform number gives the same token as softmax, a float64 cumulative sum and a
+    search (the sums' orders differ, so a draw within rounding of a token's edge could differ:
+    none of these does), at temperatures and min_p's of every kind, flat and peaked rows."""
+    g = torch.Generator().manual_seed(21)
+    logits = torch.randn(rows, n, generator=g) * torch.linspace(0.1, 12, rows)[:, None]
+    temperature = torch.rand(rows, generator=g) * 1.9 + 0.1
+    min_p = torch.where(torch.arange(rows) % 3 == 0, torch.rand(rows, generator=g) * 0.5, 0.0)
+    u = torch.rand(rows, generator=g)
+    want = torch_draw(logits, temperature, min_p, u)
+    assert torch.equal(native_layers.draw(logits, temperature, min_p, u), want)
+    strided = torch.randn(rows, n + 5, generator=g)[:, :n]  # rows apart by more than n
+    got = native_layers.draw(strided, temperature, min_p, u)
+    assert torch.equal(got, torch_draw(strided.contiguous(), temperature, min_p, u))
+
+
+@needs_avx2
+def test_draw_of_masked_edge_and_non_finite_rows() -> None:
+    """A -inf token is never drawn; u at 0 draws the first token with weight and u just under
+    1 the last; min_p 1 keeps only the most likely; a row whose maximum is not finite gives
+    that maximum's index, as the greedy pick does."""
+    inf, nan = float("inf"), float("nan")
+    logits = torch.full((7, 70), -inf)
+    logits[0, [3, 66]] = 0.0  # two tokens left, the second in the tail past the block of 64
+    logits[1, [3, 66]] = 0.0
+    logits[2, :] = torch.linspace(0, 1, 70)
+    logits[2, 5] = 1.0  # ties the last token, the first of the two is the most likely
+    logits[4, 9] = nan
+    logits[5, 12] = inf
+    logits[6, [10, 20]] = 5.0
+    u = torch.tensor([0.0, 1 - 2**-24, 0.3, 0.5, 0.5, 0.5, 0.999])
+    min_p = torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    got = native_layers.draw(logits, torch.ones(7), min_p, u).tolist()
+    assert got[:3] == [3, 66, 5] and got[3] == 0 and got[4:6] == [9, 12] and got[6] == 20
+    many = logits[0:1].expand(20_000, -1).contiguous()
+    drawn = native_layers.draw(many, torch.ones(20_000), torch.zeros(20_000), torch.rand(20_000))
+    assert set(drawn.tolist()) == {3, 66}
