@@ -137,13 +137,10 @@ class Sampler:
         )
         filtered = any(0 < r.params.top_k < vocab or r.params.top_p < 1.0 for r in rows)
         if self.native_draw and logits.device.type == "cpu":
-            temperature = settings[:, 0]
-            if filtered:  # the kept tokens' logits, already divided by the temperature
-                logits = _top_k_top_p(logits / settings[:, 0:1], settings[:, 1], settings[:, 2],
-                                      rows)  # fmt: skip
-                temperature = torch.ones_like(temperature)
             u = self._uniforms(rows, logits.device)
-            return native_layers.draw(logits, temperature, settings[:, 3], u)
+            if not filtered:
+                return native_layers.draw(logits, settings[:, 0], settings[:, 3], u)
+            return _draw_kept(logits / settings[:, 0:1], settings, rows, u)
         logits = logits / settings[:, 0:1]
         if filtered:
             logits = _top_k_top_p(logits, settings[:, 1], settings[:, 2], rows)
@@ -198,43 +195,93 @@ def _top_k_top_p(
     the nucleus of a peaked row; the rest are sorted whole."""
     if logits.device.type != "cpu":
         return _sorted_top_k_top_p(logits, top_k, top_p)
-    vocab = logits.shape[1]
-    ks = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
-    pending = [i for i, r in enumerate(rows) if ks[i] < vocab or r.params.top_p < 1.0]
     out = logits.clone()
-    with_k = [i for i in pending if ks[i] < vocab and ks[i] <= MAX_K_LOOKUP]
-    without = [i for i in pending if ks[i] == vocab and vocab > NUCLEUS_GUESS]
-    for group, n in ((with_k, max((ks[i] for i in with_k), default=0)), (without, NUCLEUS_GUESS)):
-        if not group:
-            continue
-        at = torch.tensor(group)
-        settled, filtered = _among_most_likely(logits[at], top_k[at], top_p[at], n)
-        out[at[settled]] = filtered[settled]
-        done = set(at[settled].tolist())
-        pending = [i for i in pending if i not in done]
+    settled, pending = _settle_among_most_likely(logits, top_k, top_p, rows)
+    for at, values, index in settled:
+        out[at] = torch.full_like(logits[at], float("-inf")).scatter_(1, index, values)
     if pending:
         at = torch.tensor(pending)
         out[at] = _sorted_top_k_top_p(logits[at], top_k[at], top_p[at])
     return out
 
 
+def _draw_kept(
+    logits: torch.Tensor, settings: torch.Tensor, rows: list[SampleRequest], u: torch.Tensor
+) -> torch.Tensor:
+    """The native draw after top-k and top-p (`logits` already divided by the temperature,
+    `settings` the rows' [temperature, k, p, min_p]): a row settled among its most likely
+    tokens draws among those alone, in vocabulary order, without a row of the vocabulary's
+    size being made; the others over their whole row, its drops at -inf."""
+    tokens = torch.empty(len(rows), dtype=torch.int64)
+    top_k, top_p, min_p = settings[:, 1], settings[:, 2], settings[:, 3]
+    settled, pending = _settle_among_most_likely(logits, top_k, top_p, rows)
+    done: set[int] = set()
+    for at, values, index in settled:
+        index, order = index.sort(dim=-1)
+        picked = native_layers.draw(values.gather(1, order), torch.ones(len(at)), min_p[at], u[at])
+        tokens[at] = index.gather(1, picked[:, None])[:, 0]
+        done.update(at.tolist())
+    rest = [i for i in range(len(rows)) if i not in done]  # unfiltered rows, and `pending`
+    if rest:
+        at = torch.tensor(rest)
+        whole = logits[at]
+        if pending:
+            where = {row: j for j, row in enumerate(rest)}
+            src = torch.tensor(pending)
+            whole[torch.tensor([where[i] for i in pending])] = _sorted_top_k_top_p(
+                logits[src], top_k[src], top_p[src]
+            )
+        tokens[at] = native_layers.draw(whole, torch.ones(len(rest)), min_p[at], u[at])
+    return tokens
+
+
+def _settle_among_most_likely(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, rows: list[SampleRequest]
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], list[int]]:
+    """The rows with a top-k or top-p that their most likely tokens settle, in groups: each
+    group's rows, the logits of their candidates (those dropped at -inf) and the candidates'
+    token ids; and the rows left to a sort of the whole vocabulary."""
+    vocab = logits.shape[1]
+    ks = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+    pending = [i for i, r in enumerate(rows) if ks[i] < vocab or r.params.top_p < 1.0]
+    with_k = [i for i in pending if ks[i] < vocab and ks[i] <= MAX_K_LOOKUP]
+    without = [i for i in pending if ks[i] == vocab and vocab > NUCLEUS_GUESS]
+    settled = []
+    for group, n in ((with_k, max((ks[i] for i in with_k), default=0)), (without, NUCLEUS_GUESS)):
+        if not group:
+            continue
+        at = torch.tensor(group)
+        done, values, index = _among_most_likely(logits[at], top_k[at], top_p[at], n)
+        if bool(done.any()):
+            settled.append((at[done], values[done], index[done]))
+        finished = set(at[done].tolist())
+        pending = [i for i in pending if i not in finished]
+    return settled, pending
+
+
 def _among_most_likely(logits, top_k, top_p, n):
     """Each row's drops from its `n` most likely tokens: which rows that settles (those with k
     <= n, which keep only tokens among them, and those whose candidates already reach p, each
-    weighed against its whole row's sum), and the rows with their drops at -inf."""
+    weighed against its whole row's sum), the candidates' logits with their drops at -inf, and
+    the candidates' token ids."""
     vocab = logits.shape[1]
     values, index = logits.topk(n, dim=-1)
     drop = torch.arange(n)[None, :] >= top_k[:, None]
     kept = values.masked_fill(drop, float("-inf"))
     whole = top_k >= vocab
     # each row's log of the sum it is normalised by: its k candidates', or all its tokens'
-    norm = torch.where(whole, torch.logsumexp(logits, dim=-1), torch.logsumexp(kept, dim=-1))
+    # (a group of rows is most often all of one kind: only the sums it reads are made)
+    if bool(whole.all()):
+        norm = torch.logsumexp(logits, dim=-1)
+    elif not bool(whole.any()):
+        norm = torch.logsumexp(kept, dim=-1)
+    else:
+        norm = torch.where(whole, torch.logsumexp(logits, dim=-1), torch.logsumexp(kept, dim=-1))
     probs = (kept - norm[:, None]).exp()
     reached = probs.cumsum(dim=-1)
     settled = ~whole | (reached[:, -1] >= top_p)
     drop |= _past_nucleus(probs, reached, top_p)
-    out = torch.full_like(logits, float("-inf"))
-    return settled, out.scatter_(1, index, values.masked_fill(drop, float("-inf")))
+    return settled, values.masked_fill(drop, float("-inf")), index
 
 
 def _sorted_top_k_top_p(

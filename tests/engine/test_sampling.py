@@ -330,6 +330,27 @@ def test_sampled_tokens_follow_the_distribution(params, kept, draw):
     assert (got[want == 0] == 0).all()
 
 
+@pytest.mark.skipif(not native_layers.available(torch.float32), reason="no AVX2 and FMA")
+def test_the_native_draw_takes_the_tokens_the_torch_draw_takes():
+    """With the same uniform numbers, the native draw picks what torch's picks, through every
+    path of top-k and top-p: rows settled among their k or 64 most likely tokens (drawn among
+    those alone), flat rows whose nucleus needs a sort of the whole vocabulary, and rows with
+    neither, at several temperatures and min_p's, mixed in one call."""
+    from conveyor.engine.logits_processors import SampleRequest
+    from conveyor.engine.sampler import Sampler
+
+    g = torch.Generator().manual_seed(12)
+    settings = [dict(top_k=50), dict(top_p=0.9), dict(top_k=7, top_p=0.8), dict(), dict(top_k=1),
+                dict(top_k=2000), dict(top_p=0.5, min_p=0.05), dict(min_p=0.2)]  # fmt: skip
+    params = [SamplingParams(temperature=t, **kw) for kw in settings for t in (0.5, 1.0, 1.7)]
+    rows = [SampleRequest(p, None, []) for p in params]
+    for scale in (0.3, 2.0, 12.0):  # flat rows (top-p sorts them whole) to peaked ones
+        logits = torch.randn(len(rows), 5000, generator=g) * scale
+        native = Sampler(torch.Generator().manual_seed(5), "native")(logits, rows)
+        reference = Sampler(torch.Generator().manual_seed(5), "torch")(logits, rows)
+        assert native.token_ids == reference.token_ids, scale
+
+
 def test_top_k_and_top_p_keep_what_a_sort_of_the_whole_vocabulary_keeps():
     """The CPU's shortcuts (a row with a k looks at its k most likely tokens, a row without
     at its 64 most likely first) keep the tokens the full sort keeps, on flat and peaked rows;
