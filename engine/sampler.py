@@ -218,9 +218,17 @@ def _draw_kept(
     settled, pending = _settle_among_most_likely(logits, top_k, top_p, rows)
     done: set[int] = set()
     for at, values, index in settled:
-        index, order = index.sort(dim=-1)
-        picked = native_layers.draw(values.gather(1, order), torch.ones(len(at)), min_p[at], u[at])
-        tokens[at] = index.gather(1, picked[:, None])[:, 0]
+        # each row among its own k candidates (or the group's n, for a row without a k), so
+        # that where its kept tokens sit, and so the order of its sums, is the row's own
+        # whatever else the step samples
+        widths = top_k[at].clamp(max=values.shape[1]).long().tolist()
+        for width in sorted(set(widths)):
+            rows_of = torch.tensor([j for j, w in enumerate(widths) if w == width])
+            ids, order = index[rows_of, :width].sort(dim=-1)
+            kept = values[rows_of, :width].gather(1, order)
+            picked = native_layers.draw(kept, torch.ones(len(rows_of)), min_p[at[rows_of]],
+                                        u[at[rows_of]])  # fmt: skip
+            tokens[at[rows_of]] = ids.gather(1, picked[:, None])[:, 0]
         done.update(at.tolist())
     rest = [i for i in range(len(rows)) if i not in done]  # unfiltered rows, and `pending`
     if rest:

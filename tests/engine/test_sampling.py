@@ -351,6 +351,40 @@ def test_the_native_draw_takes_the_tokens_the_torch_draw_takes():
         assert native.token_ids == reference.token_ids, scale
 
 
+@pytest.mark.skipif(not native_layers.available(torch.float32), reason="no AVX2 and FMA")
+def test_a_row_drawn_among_its_candidates_is_drawn_alike_in_any_batch(monkeypatch):
+    """A seeded row's draw among its top-k candidates does not depend on the other rows of the
+    step: it draws from a row of its own k candidates (not the widest k of the step, where its
+    kept tokens would sit elsewhere and its float64 sums add in another order), and so takes
+    the same token alone as beside rows of other k's."""
+    from conveyor.engine.logits_processors import SampleRequest
+    from conveyor.engine.sampler import Sampler
+
+    widths = []
+    draw = native_layers.draw
+
+    def recording(logits, *args):
+        widths.append(logits.shape[1])
+        return draw(logits, *args)
+
+    monkeypatch.setattr(native_layers, "draw", recording)
+    logits = torch.randn(3, 4000, generator=torch.Generator().manual_seed(8)) * 3
+    for seed in range(20):
+        row = SampleRequest(SamplingParams(temperature=1.0, top_k=5), torch.Generator(), [])
+        row.generator.manual_seed(seed)
+        widths.clear()
+        alone = Sampler(torch.Generator().manual_seed(0), "native")(logits[:1], [row])
+        assert widths == [5]
+        row.generator.manual_seed(seed)
+        others = [
+            SampleRequest(SamplingParams(temperature=0.9, top_k=k), None, []) for k in (50, 300)
+        ]
+        widths.clear()
+        batch = Sampler(torch.Generator().manual_seed(0), "native")(logits, [row, *others])
+        assert sorted(widths) == [5, 50, 300]
+        assert batch.token_ids[0] == alone.token_ids[0]
+
+
 def test_top_k_and_top_p_keep_what_a_sort_of_the_whole_vocabulary_keeps():
     """The CPU's shortcuts (a row with a k looks at its k most likely tokens, a row without
     at its 64 most likely first) keep the tokens the full sort keeps, on flat and peaked rows;
