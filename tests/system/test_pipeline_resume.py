@@ -16,6 +16,14 @@ from conveyor.cli.common import EXIT_ERROR, EXIT_OK
 from conveyor.testing import Stack, batch_lines, write_jsonl
 
 
+def listed(api: str, what: str, **params: str) -> list[dict]:
+    """The `data` of GET /v1/<what>, which must answer 200 (else the status and body say
+    why)."""
+    got = httpx.get(f"{api}/v1/{what}", params=params)
+    assert got.status_code == 200, (got.status_code, got.text)
+    return got.json()["data"]
+
+
 def submit(api: str, *args: str | Path) -> list[str]:
     return [sys.executable, "-m", "conveyor", "submit", *map(str, args), "--url", api]
 
@@ -61,9 +69,9 @@ def test_idempotency_key_reattaches_after_the_client_is_killed(
     assert custom_ids(out) == sorted(x["custom_id"] for x in lines)
     assert err.read_text() == ""
 
-    batches = httpx.get(f"{api}/v1/batches").json()["data"]
+    batches = listed(api, "batches")
     assert [b["id"] for b in batches] == [batch_id]
-    uploads = [f for f in httpx.get(f"{api}/v1/files").json()["data"] if f["purpose"] == "batch"]
+    uploads = [f for f in listed(api, "files") if f["purpose"] == "batch"]
     assert len(uploads) == 1  # the re-run did not upload the file again
 
     # once more after it finished: attaches, downloads again, submits nothing
@@ -72,7 +80,7 @@ def test_idempotency_key_reattaches_after_the_client_is_killed(
     assert again.returncode == EXIT_OK, again.stderr
     assert again.stdout.strip() == batch_id
     assert custom_ids(out) == sorted(x["custom_id"] for x in lines)
-    assert len(httpx.get(f"{api}/v1/batches").json()["data"]) == 1
+    assert len(listed(api, "batches")) == 1
 
 
 def test_resume_reattaches_after_the_client_is_killed(
@@ -95,7 +103,7 @@ def test_resume_reattaches_after_the_client_is_killed(
     assert resumed.returncode == EXIT_OK, resumed.stderr
     assert resumed.stdout.strip() == batch_id
     assert custom_ids(out) == sorted(x["custom_id"] for x in lines)
-    assert len(httpx.get(f"{api}/v1/batches").json()["data"]) == 1
+    assert len(listed(api, "batches")) == 1
 
     unknown = subprocess.run(
         submit(api, "--resume", "batch_doesnotexist"), capture_output=True, text=True
@@ -144,10 +152,10 @@ def test_api_idempotency_key_returns_the_first_batch(stack: Stack, tmp_path: Pat
     assert len({r.json()["id"] for r in racing}) == 1
     assert sorted(r.status_code for r in mixed) == [200] + [409] * 5
 
-    listed = httpx.get(f"{api}/v1/batches", params={"idempotency_key": "k-race"}).json()["data"]
-    assert [b["id"] for b in listed] == [racing[0].json()["id"]]
-    assert httpx.get(f"{api}/v1/batches", params={"idempotency_key": "none"}).json()["data"] == []
-    assert len(httpx.get(f"{api}/v1/batches").json()["data"]) == 6
+    found = listed(api, "batches", idempotency_key="k-race")
+    assert [b["id"] for b in found] == [racing[0].json()["id"]]
+    assert listed(api, "batches", idempotency_key="none") == []
+    assert len(listed(api, "batches")) == 6
     too_long = create(files[0], "x" * 256)
     assert too_long.status_code == 400, too_long.text
     assert "idempotency-key" in too_long.json()["error"]["param"]
