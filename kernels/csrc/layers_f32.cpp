@@ -150,7 +150,8 @@ int64_t draw(const float* row, int64_t n, float t, float min_p, float u, std::ve
     if (before + blocks[b] > target) {
       double running = before;
       for (int64_t i = b * kDrawBlock; i < std::min(n, (b + 1) * kDrawBlock); ++i) {
-        if (w[i] > 0.f) last = i;
+        if (w[i] <= 0.f) continue;  // never drawn, even where rounding left the target passed
+        last = i;
         running += w[i];
         if (running > target) return i;
       }

@@ -174,3 +174,18 @@ def test_draw_of_masked_edge_and_non_finite_rows() -> None:
     many = logits[0:1].expand(20_000, -1).contiguous()
     drawn = native_layers.draw(many, torch.ones(20_000), torch.zeros(20_000), torch.rand(20_000))
     assert set(drawn.tolist()) == {3, 66}
+
+
+@needs_avx2
+def test_draw_never_takes_a_token_without_weight_where_rounding_leaves_the_target_passed():
+    """A block's sum (its lanes added apart, then together) can exceed its tokens' running sum
+    (added one by one): a token of weight 1 then 63 of ~5.6e-17 each, which added one by one
+    to 1 round away, sum to 1 + ~3e-15 by lanes. With u = 1/2 and a second token of weight 1
+    two blocks on, the target falls between the two sums, so the scan passes the block without
+    reaching it; the block after, all -inf, must not give a token: the next with weight does."""
+    row = torch.full((1, 200), float("-inf"))
+    row[0, 0] = 0.0
+    row[0, 1:64] = -37.43  # e^x ~ 5.6e-17, under half a float64 ulp of 1
+    row[0, 128] = 0.0
+    got = native_layers.draw(row, torch.ones(1), torch.zeros(1), torch.tensor([0.5]))
+    assert got.tolist() in ([128], *([i] for i in range(64)))
