@@ -2,7 +2,8 @@
 // the residual add before it), rope, and SiLU(gate) * up. Each is one pass over its rows,
 // called once per layer where eager torch makes several passes and inductor's compiled
 // functions cost tens of microseconds a call to enter. Also a greedy step's pick, each row's
-// first maximum, in one pass (torch's max over a row of 32,000 runs at ~4.5 GB/s).
+// first maximum, in one pass (torch's max over a row of 32,000 runs at ~4.5 GB/s), and a sampled
+// row's draw (`draw`, below).
 //
 // Built with -ffp-contract=off, so that a product and a sum are never fused into one rounding:
 // the residual sum, rope and the product with up are eager torch's bit for bit, the norm is
