@@ -9,8 +9,13 @@ model's: top-p 0.95 keeps most of the vocabulary, so its nucleus never fits amon
 most likely tokens and every step sorts the whole vocabulary (a trained model's peaked rows
 settle among those 64, as top-k does).
 
-    python bench/sampled_decoding.py            # 2 rounds, ~2 minutes
-    python bench/sampled_decoding.py --quick    # 32 requests, 1 round
+    python bench/sampled_decoding.py                  # 2 rounds, ~2 minutes
+    python bench/sampled_decoding.py --quick          # 32 requests, 1 round
+    python bench/sampled_decoding.py --compare-draws  # also temperature 1 with torch's draw
+
+With `--compare-draws`, where the engine's plan draws natively (`sampling native`), a second
+engine on the same model with `sampling="torch"` runs temperature 1 in each round too: the
+native draw against torch's softmax, float64 cumulative sum and search, in one process.
 
 The last line printed is one JSON object with the headline numbers.
 """
@@ -37,8 +42,17 @@ SETTINGS = {
 }
 
 
+TORCH_DRAW = "temperature 1, torch's draw"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return parse_rounds(rounds_parser(__doc__.split("\n\n")[0], rounds=2), argv)
+    ap = rounds_parser(__doc__.split("\n\n")[0], rounds=2)
+    ap.add_argument(
+        "--compare-draws",
+        action="store_true",
+        help="also run temperature 1 on a second engine with sampling='torch'",
+    )
+    return parse_rounds(ap, argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -47,19 +61,25 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         llm = LLM(str(m.path))
         llm.warm_up()
+        engines = {name: llm for name in SETTINGS}
+        settings = dict(SETTINGS)
+        if args.compare_draws and llm.plan.sampling == "native":
+            engines[TORCH_DRAW] = LLM(str(m.path), sampling="torch")
+            engines[TORCH_DRAW].warm_up()
+            settings[TORCH_DRAW] = SETTINGS["temperature 1"]
         rule(f"{args.requests} requests, {str(llm.dtype).removeprefix('torch.')}")
-        ratios: dict[str, list[float]] = {name: [] for name in SETTINGS if name != "greedy"}
+        ratios: dict[str, list[float]] = {name: [] for name in settings if name != "greedy"}
         seed = args.seed
         for r in range(args.rounds):
-            names = list(SETTINGS) if r % 2 == 0 else list(reversed(SETTINGS))
+            names = list(settings) if r % 2 == 0 else list(reversed(settings))
             seconds = {}
             for name in names:
                 seed += 1
                 wl = make_workload(args.requests, (32, 400), (16, 128), m.shape.vocab, seed)
-                params = [SamplingParams(max_tokens=n, ignore_eos=True, **SETTINGS[name])
+                params = [SamplingParams(max_tokens=n, ignore_eos=True, **settings[name])
                           for n in wl.output_lens]  # fmt: skip
                 started = time.perf_counter()
-                llm.generate(wl.prompts, params, use_tqdm=False)
+                engines[name].generate(wl.prompts, params, use_tqdm=False)
                 seconds[name] = time.perf_counter() - started
             print(f"round {r + 1}: " + ", ".join(f"{n} {s:.2f} s" for n, s in seconds.items()))
             for name in ratios:
@@ -67,7 +87,8 @@ def main(argv: list[str] | None = None) -> dict:
         medians = {name: round(statistics.median(v), 2) for name, v in ratios.items()}
         table([(name, f"{x:.2f}x") for name, x in medians.items()], ("setting", "time / greedy"))
         result = {"bench": "sampled_decoding", "requests": args.requests, "rounds": args.rounds,
-                  "dtype": str(llm.dtype).removeprefix("torch."), "time_over_greedy": medians,
+                  "dtype": str(llm.dtype).removeprefix("torch."), "sampling": llm.plan.sampling,
+                  "time_over_greedy": medians,
                   "cpu_isa": cpu_isa(), "date": date.today().isoformat(),
                   "code": git_state()}  # fmt: skip
     finally:
