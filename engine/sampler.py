@@ -230,17 +230,15 @@ def _draw_kept(
                                         u[at[rows_of]])  # fmt: skip
             tokens[at[rows_of]] = ids.gather(1, picked[:, None])[:, 0]
         done.update(at.tolist())
-    rest = [i for i in range(len(rows)) if i not in done]  # unfiltered rows, and `pending`
-    if rest:
-        at = torch.tensor(rest)
-        whole = logits[at]
-        if pending:
-            where = {row: j for j, row in enumerate(rest)}
-            src = torch.tensor(pending)
-            whole[torch.tensor([where[i] for i in pending])] = _sorted_top_k_top_p(
-                logits[src], top_k[src], top_p[src]
-            )
-        tokens[at] = native_layers.draw(whole, torch.ones(len(rest)), min_p[at], u[at])
+    # the rest over their whole rows (each row's draw its own, so apart is as together)
+    if pending:
+        at = torch.tensor(pending)
+        whole = _sorted_top_k_top_p(logits[at], top_k[at], top_p[at])
+        tokens[at] = native_layers.draw(whole, torch.ones(len(at)), min_p[at], u[at])
+        done.update(pending)
+    if unfiltered := [i for i in range(len(rows)) if i not in done]:
+        at = torch.tensor(unfiltered)
+        tokens[at] = native_layers.draw(logits[at], torch.ones(len(at)), min_p[at], u[at])
     return tokens
 
 
