@@ -115,6 +115,7 @@ int64_t draw(const float* row, int64_t n, float t, float min_p, float u, std::ve
   const float top_weight = _mm256_cvtss_f32(conveyor::exp8(_mm256_setzero_ps()));
   const __m256 vt = _mm256_set1_ps(t), vm = _mm256_set1_ps(m / t);
   const __m256 vmin = _mm256_set1_ps(min_p * top_weight);
+  // exp8 does not give 0 for -inf: a masked token's weight is set to 0 apart
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   double total = 0.0;
   for (int64_t b = 0; b < num_blocks; ++b) {
