@@ -8,7 +8,8 @@
 
 namespace conveyor {
 
-// e^x for 8 floats (relative error ~1e-7, as expf); very negative x gives 0, very large inf.
+// e^x for 8 floats (relative error ~1e-7, as expf); x at or below -103, -inf and NaN give the
+// smallest subnormal (1.4e-45), not 0; very large x gives inf.
 inline __m256 exp8(__m256 x) { return avx2::exp(x); }
 
 // silu(x) = x / (1 + e^-x) for 8 floats, as torch computes it but for `exp8`'s rounding.

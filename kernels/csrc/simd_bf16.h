@@ -44,7 +44,8 @@ inline void store16(uint16_t* p, __m512 x, __mmask16 lanes) {  // the lanes of `
 }
 
 // e^x for 16 floats: 2^n * 2^f with f in [-0.5, 0.5], 2^f by its Taylor series to degree 7
-// (relative error ~1e-7, as expf); very negative x gives 0, very large x gives inf.
+// (relative error ~1e-7, as expf); x at or below -103, -inf and NaN give the smallest subnormal
+// (1.4e-45), not 0; very large x gives inf.
 inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.f)), _mm512_set1_ps(89.f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));

@@ -11,7 +11,8 @@ inline Vec pow2(Vec n) {
 }
 
 // e^x: 2^n * 2^f with f in [-0.5, 0.5], 2^f by its Taylor series to degree 7 (relative error
-// ~1e-7, as expf); very negative x gives 0, very large x gives inf.
+// ~1e-7, as expf); x at or below -103, -inf and NaN give the smallest subnormal (1.4e-45), not
+// 0, so a caller that needs a masked lane to weigh nothing zeroes it apart; very large x gives inf.
 inline Vec exp(Vec x) {
   x = min(max(x, set1(-103.f)), set1(89.f));
   const Vec t = mul(x, set1(1.44269504088896341f));
