@@ -8,13 +8,17 @@ a token of the vocabulary, ~50 ms a step of 96 rows of 32,000 on a 2-core CPU ag
 row with a seed draws its number from its own generator, so a seeded request samples the same
 tokens whatever else is in the batch.
 
-On the CPU, top-k and top-p look among each row's most likely tokens first (its k of them, or
-64 for a nucleus), sorting the whole vocabulary only where a row's nucleus reaches past them:
-a full sort of 96 x 32,000 takes ~85 ms there, the 64 most likely ~3. With AVX2 the draw
-itself is one kernel call for the step's sampled rows (`native_layers.draw`, chosen by the
-device plan's `sampling`): 256 rows of 32,000 in ~7 ms, where softmax, a float64 copy of it,
-its cumulative sum and a search take ~23 (~70 where each step's large tensors are new memory).
-A row that top-k or top-p settles among its most likely tokens draws among those alone.
+On the CPU, top-k looks among each row's k most likely tokens (k up to 1,024), sorting the
+whole vocabulary only for a larger k: a full sort of 96 x 32,000 takes ~85 ms there (~675 for
+151,936), the 64 most likely ~3. With AVX2 the draw itself is one kernel call for the step's
+sampled rows (`native_layers.draw`, chosen by the device plan's `sampling`): 256 rows of
+32,000 in ~7 ms, where softmax, a float64 copy of it, its cumulative sum and a search take
+~23 (~70 where each step's large tensors are new memory). A row that top-k settles among its
+most likely tokens draws among those alone; a row without a k has its top-p applied inside
+the draw, its nucleus found from a histogram of its weights, with no sort (~0.05-0.1 ms more a
+row of 32,000 on one thread, ~0.25-0.45 of 151,936, where a sort takes ~3 and ~17). Torch's
+draw (other CPUs, GPUs) sorts: on the CPU after a look among each row's 64 most likely
+tokens, which hold the nucleus of a peaked row.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from conveyor.kernels.upload import to_device, upload
 __all__ = ["SampleRequest", "SampleResult", "Sampler"]
 
 # how a sampled row's token is drawn, in the model's fingerprint: a seeded request's tokens
-# change with it (until 2026-11-28: "exponential race", noise for every token)
-DRAW = "inverse cdf, float64, one float32 uniform a row"
+# change with it (until 2026-11-28: "exponential race", noise for every token; until
+# 2026-11-30 the native draw's nucleus was found by a sort, float32 sums, one tie at its edge)
+DRAW = "inverse cdf, float64, one float32 uniform a row; native top-p: float64, ties kept"
 
 
 @dataclass
@@ -136,11 +141,13 @@ class Sampler:
             ),
             logits.device,
         )
-        filtered = any(0 < r.params.top_k < vocab or r.params.top_p < 1.0 for r in rows)
+        with_k = any(0 < r.params.top_k < vocab for r in rows)
+        filtered = with_k or any(r.params.top_p < 1.0 for r in rows)
         if self.native_draw and logits.device.type == "cpu":
             u = self._uniforms(rows, logits.device)
-            if not filtered:
-                return native_layers.draw(logits, settings[:, 0], settings[:, 3], u)
+            if not with_k:  # top-p, where a row has one, is the draw's own
+                t, p, min_p = settings[:, 0], settings[:, 2], settings[:, 3]
+                return native_layers.draw(logits, t, min_p, u, p if filtered else None)
             return _draw_kept(logits / settings[:, 0:1], settings, rows, u)
         logits = logits / settings[:, 0:1]
         if filtered:
@@ -178,7 +185,8 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 # on the CPU: how many of its most likely tokens a row without a k looks among for its nucleus
-# before a full sort, and the largest k whose row looks among its k most likely instead of one
+# before a full sort (torch's draw: the native one finds it without a sort), and the largest k
+# whose row looks among its k most likely instead of one
 NUCLEUS_GUESS = 64
 MAX_K_LOOKUP = 1024
 
@@ -210,17 +218,18 @@ def _draw_kept(
     logits: torch.Tensor, settings: torch.Tensor, rows: list[SampleRequest], u: torch.Tensor
 ) -> torch.Tensor:
     """The native draw after top-k and top-p (`logits` already divided by the temperature,
-    `settings` the rows' [temperature, k, p, min_p]): a row settled among its most likely
-    tokens draws among those alone, in vocabulary order, without a row of the vocabulary's
-    size being made; the others over their whole row, its drops at -inf."""
+    `settings` the rows' [temperature, k, p, min_p]): a row with a k of at most 1,024 draws
+    among its k most likely tokens alone (after its top-p), in vocabulary order, without a row
+    of the vocabulary's size being made; a row with a larger k over its whole row, its drops at
+    -inf; a row without a k over its whole row with its top-p applied in the draw itself (its
+    nucleus found without a sort)."""
     tokens = torch.empty(len(rows), dtype=torch.int64)
     top_k, top_p, min_p = settings[:, 1], settings[:, 2], settings[:, 3]
-    settled, pending = _settle_among_most_likely(logits, top_k, top_p, rows)
+    settled, pending = _settle_among_most_likely(logits, top_k, top_p, rows, guess_nucleus=False)
     done: set[int] = set()
     for at, values, index in settled:
-        # each row among its own k candidates (or the group's n, for a row without a k), so
-        # that where its kept tokens sit, and so the order of its sums, is the row's own
-        # whatever else the step samples
+        # each row among its own k candidates, so that where its kept tokens sit, and so the
+        # order of its sums, is the row's own whatever else the step samples
         widths = top_k[at].clamp(max=values.shape[1]).long().tolist()
         for width in sorted(set(widths)):
             rows_of = torch.tensor([j for j, w in enumerate(widths) if w == width])
@@ -230,29 +239,38 @@ def _draw_kept(
                                         u[at[rows_of]])  # fmt: skip
             tokens[at[rows_of]] = ids.gather(1, picked[:, None])[:, 0]
         done.update(at.tolist())
-    # the rest over their whole rows (each row's draw its own, so apart is as together)
-    if pending:
-        at = torch.tensor(pending)
+    # rows with a k past the lookup's, over their whole rows sorted (each row's draw its own,
+    # so apart is as together)
+    vocab = logits.shape[1]
+    if large_k := [i for i in pending if top_k[i] < vocab]:
+        at = torch.tensor(large_k)
         whole = _sorted_top_k_top_p(logits[at], top_k[at], top_p[at])
         tokens[at] = native_layers.draw(whole, torch.ones(len(at)), min_p[at], u[at])
-        done.update(pending)
-    if unfiltered := [i for i in range(len(rows)) if i not in done]:
-        at = torch.tensor(unfiltered)
-        tokens[at] = native_layers.draw(logits[at], torch.ones(len(at)), min_p[at], u[at])
+        done.update(large_k)
+    if rest := [i for i in range(len(rows)) if i not in done]:
+        at = torch.tensor(rest)
+        tokens[at] = native_layers.draw(
+            logits[at], torch.ones(len(at)), min_p[at], u[at], top_p[at]
+        )
     return tokens
 
 
 def _settle_among_most_likely(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, rows: list[SampleRequest]
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    rows: list[SampleRequest],
+    guess_nucleus: bool = True,
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], list[int]]:
     """The rows with a top-k or top-p that their most likely tokens settle, in groups: each
     group's rows, the logits of their candidates (those dropped at -inf) and the candidates'
-    token ids; and the rows left to a sort of the whole vocabulary."""
+    token ids; and the rows left (to a sort of the whole vocabulary). A row without a k looks
+    among its 64 most likely tokens for its nucleus only with `guess_nucleus`."""
     vocab = logits.shape[1]
     ks = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
     pending = [i for i, r in enumerate(rows) if ks[i] < vocab or r.params.top_p < 1.0]
     with_k = [i for i in pending if ks[i] < vocab and ks[i] <= MAX_K_LOOKUP]
-    without = [i for i in pending if ks[i] == vocab and vocab > NUCLEUS_GUESS]
+    without = [i for i in pending if ks[i] == vocab and vocab > NUCLEUS_GUESS and guess_nucleus]
     settled = []
     for group, n in ((with_k, max((ks[i] for i in with_k), default=0)), (without, NUCLEUS_GUESS)):
         if not group:

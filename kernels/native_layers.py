@@ -38,7 +38,7 @@ def _bind(lib: ctypes.CDLL, suffix: str) -> None:
         "silu_mul": [_P, _I, _P, _I, _I, _T],
         "rope": [_P, _I, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _T],
         "argmax": [_P, _I, _I, _I, _P, _T],
-        "draw": [_P, _I, _I, _I, _P, _P, _P, _P, _T],
+        "draw": [_P, _I, _I, _I, _P, _P, _P, _P, _P, _T],
     }
     for name, argtypes in signatures.items():
         if name == "draw" and suffix != "f32":
@@ -160,24 +160,33 @@ def first_max_index(x: torch.Tensor) -> torch.Tensor:
 
 
 def draw(
-    logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    min_p: torch.Tensor,
+    u: torch.Tensor,
+    top_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Each float32 row's sampled token at its `temperature`, `min_p` and uniform number `u`
-    in [0, 1) (float32 tensors, one value a row): the inverse of the cumulative sum of
-    softmax(row / temperature), tokens under min_p times the most likely one's weight dropped,
-    at u, summed in float64 (`csrc/layers_f32.cpp`'s `draw`). One pass to find the maximum,
-    two over the weights, no temporary tensors: 256 x 32,000 in ~7 ms on one thread, against
-    ~23 for softmax, a float64 copy, its cumulative sum and a search (~70 where those copies
-    are new memory each time)."""
+    """Each float32 row's sampled token at its `temperature`, `min_p`, `top_p` (none: 1) and
+    uniform number `u` in [0, 1) (float32 tensors, one value a row): the inverse of the
+    cumulative sum of softmax(row / temperature) at u, summed in float64, over the tokens that
+    top-p keeps (its nucleus: the most likely tokens whose weight, in float64, first reaches
+    top_p of the row's, with every token tied with the last of them) and min_p keeps (those at
+    least min_p times the most likely one's weight) (`csrc/layers_f32.cpp`'s `draw`). One pass
+    to find the maximum, two over the weights, no temporary tensors: 256 x 32,000 in ~7 ms on
+    one thread, against ~23 for softmax, a float64 copy, its cumulative sum and a search (~70
+    where those copies are new memory each time); a nucleus costs four passes more over the
+    weights, where a sort of the row costs several times the whole draw."""
     flat = _rows(logits)
     assert flat.dtype == torch.float32
     rows = flat.shape[0]
-    settings = [v.to(torch.float32).contiguous() for v in (temperature, min_p, u)]
+    if top_p is None:
+        top_p = torch.ones(rows)
+    settings = [v.to(torch.float32).contiguous() for v in (temperature, min_p, top_p, u)]
     assert all(v.shape == (rows,) for v in settings)
     out = torch.empty(rows, dtype=torch.int64)
-    t, p, uniform = settings
+    t, p, nucleus, uniform = settings
     _call("draw", torch.float32)(
         flat.data_ptr(), rows, flat.shape[1], flat.stride(0), t.data_ptr(), p.data_ptr(),
-        uniform.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+        nucleus.data_ptr(), uniform.data_ptr(), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -93,18 +94,114 @@ int64_t first_max(const float* row, int64_t n) {
   return result < 0 ? 0 : result;  // every value -inf: the first, as torch
 }
 
+// The weight of the last token of a row's nucleus: the largest weight v such that the tokens of
+// weight >= v weigh at least `target` together (every token tied at v is in; the weights are
+// those `draw` makes, before min_p). Weights are non-negative floats, so their bits order as
+// their values do: a histogram of their weights by the top 10 bits finds the bucket the
+// nucleus ends in, two more (the next 11 bits, the last 10, over that bucket's tokens alone)
+// the weight itself. Three passes, no sort. Each bucket's weight is summed in float64 in the
+// row's order: at the first level in four interleaved histograms (so that adds to one bucket
+// do not wait on each other), then the four's sums added. Where rounding leaves the target
+// above every bucket's sum, the whole row.
+float nucleus_floor(const float* w, int64_t n, double target) {
+  constexpr int kLevels = 3, kWays = 4;
+  constexpr int kShift[kLevels] = {21, 10, 0};
+  constexpr uint32_t kBuckets[kLevels] = {1024, 2048, 1024};
+  alignas(32) double hist[kWays][2048];
+  uint32_t prefix = 0;  // the bits chosen so far, in their places
+  double above = 0.0;   // the weight of the tokens above the buckets still open
+  for (int level = 0; level < kLevels; ++level) {
+    const int shift = kShift[level];
+    const uint32_t buckets = kBuckets[level], mask = buckets - 1;
+    for (int k = 0; k < (level == 0 ? kWays : 1); ++k)
+      std::fill(hist[k], hist[k] + buckets, 0.0);
+    if (level == 0) {
+      int64_t i = 0;
+      // widened four at a time: a scalar widening writes only part of its register, so each
+      // would wait on the add before it
+      alignas(32) double wide[kWays];
+      for (; i + kWays <= n; i += kWays) {
+        _mm256_store_pd(wide, _mm256_cvtps_pd(_mm_loadu_ps(w + i)));
+        for (int k = 0; k < kWays; ++k) {
+          uint32_t bits;
+          std::memcpy(&bits, w + i + k, sizeof bits);
+          hist[k][bits >> shift] += wide[k];
+        }
+      }
+      for (; i < n; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, w + i, sizeof bits);
+        hist[0][bits >> shift] += w[i];
+      }
+    } else {  // only the tokens of the bucket chosen: eight compared at once
+      const int prefix_shift = kShift[level - 1];
+      const __m256i want = _mm256_set1_epi32(static_cast<int32_t>(prefix >> prefix_shift));
+      alignas(32) double wide[8];
+      for (int64_t i = 0; i < n; i += 8) {
+        if (i + 8 <= n) {
+          const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i));
+          const __m256i hit = _mm256_cmpeq_epi32(_mm256_srli_epi32(bits, prefix_shift), want);
+          if (_mm256_testz_si256(hit, hit)) continue;
+          _mm256_store_pd(wide, _mm256_cvtps_pd(_mm_loadu_ps(w + i)));
+          _mm256_store_pd(wide + 4, _mm256_cvtps_pd(_mm_loadu_ps(w + i + 4)));
+        } else {
+          for (int64_t j = i; j < n; ++j) wide[j - i] = w[j];
+        }
+        for (int64_t j = i; j < std::min(n, i + 8); ++j) {
+          uint32_t bits;
+          std::memcpy(&bits, w + j, sizeof bits);
+          if ((bits >> prefix_shift) == (prefix >> prefix_shift))
+            hist[0][(bits >> shift) & mask] += wide[j - i];
+        }
+      }
+    }
+    if (level == 0)  // the four histograms into the first, bucket by bucket
+      for (uint32_t b = 0; b < buckets; ++b) hist[0][b] += hist[1][b] + hist[2][b] + hist[3][b];
+    int64_t chosen = -1;
+    for (int64_t b = buckets - 1; b >= 0; --b) {
+      if (above + hist[0][b] >= target) {
+        chosen = b;
+        break;
+      }
+      above += hist[0][b];
+    }
+    if (chosen < 0) return 0.f;
+    prefix |= static_cast<uint32_t>(chosen) << shift;
+  }
+  float floor;
+  std::memcpy(&floor, &prefix, sizeof floor);
+  return floor;
+}
+
 // A sampled row's token: the inverse of its distribution's cumulative sum at u. Weights
 // w = e^(x / t - max / t) (a weight under min_p, the smallest share of the most likely token's
-// that is kept, is 0), summed in float64 in blocks of 64 (each block's sum in a fixed order,
+// that is kept, is 0; with top_p < 1, so is one past the nucleus, `nucleus_floor`, whose weight
+// is made before min_p), summed in float64 in blocks of 64 (each block's sum in a fixed order,
 // then the blocks one after another); the token is the first whose running sum passes u times
 // the total: the block that passes it, then its tokens one by one. Three passes over the row,
 // the weights kept in `w` between the last two, where softmax, a float64 copy and its cumulative
-// sum cost six. A row whose maximum is not finite (every token -inf, a NaN, +inf) gives that
-// maximum's index, as the greedy pick does.
+// sum cost six (with top_p, four more over the weights). A row whose maximum is not finite
+// (every token -inf, a NaN, +inf) gives that maximum's index, as the greedy pick does.
 constexpr int64_t kDrawBlock = 64;
 
-int64_t draw(const float* row, int64_t n, float t, float min_p, float u, std::vector<float>& w,
-             std::vector<double>& blocks) {
+// One block's weights summed: its eight-wide lanes apart in float64, then the lanes in order.
+inline double block_sum(const float* w) {
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  for (int64_t i = 0; i < kDrawBlock; i += 8) {
+    const __m256 e = _mm256_loadu_ps(w + i);
+    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+  }
+  alignas(32) double lanes[8];
+  _mm256_store_pd(lanes, lo);
+  _mm256_store_pd(lanes + 4, hi);
+  double sum = 0.0;
+  for (double lane : lanes) sum += lane;
+  return sum;
+}
+
+int64_t draw(const float* row, int64_t n, float t, float min_p, float top_p, float u,
+             std::vector<float>& w, std::vector<double>& blocks) {
   const int64_t top = first_max(row, n);
   const float m = row[top];
   if (!std::isfinite(m)) return top;
@@ -113,13 +210,14 @@ int64_t draw(const float* row, int64_t n, float t, float min_p, float u, std::ve
   if (static_cast<int64_t>(blocks.size()) < num_blocks) blocks.resize(num_blocks);
   // the most likely token's weight (e^0 as exp8 gives it) times min_p
   const float top_weight = _mm256_cvtss_f32(conveyor::exp8(_mm256_setzero_ps()));
+  const float min_weight = min_p * top_weight;
+  const bool nucleus = top_p < 1.f;
   const __m256 vt = _mm256_set1_ps(t), vm = _mm256_set1_ps(m / t);
-  const __m256 vmin = _mm256_set1_ps(min_p * top_weight);
+  const __m256 vmin = _mm256_set1_ps(nucleus ? 0.f : min_weight);
   // exp8 does not give 0 for -inf: a masked token's weight is set to 0 apart
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   double total = 0.0;
   for (int64_t b = 0; b < num_blocks; ++b) {
-    __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
     for (int64_t i = b * kDrawBlock; i < (b + 1) * kDrawBlock; i += 8) {
       __m256 x;
       if (i + 8 <= n) {
@@ -134,16 +232,22 @@ int64_t draw(const float* row, int64_t n, float t, float min_p, float u, std::ve
       e = _mm256_and_ps(e, _mm256_cmp_ps(e, vmin, _CMP_GE_OQ));
       e = _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), e);
       _mm256_storeu_ps(w.data() + i, e);
-      lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-      hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
     }
-    alignas(32) double lanes[8];
-    _mm256_store_pd(lanes, lo);
-    _mm256_store_pd(lanes + 4, hi);
-    double sum = 0.0;
-    for (double lane : lanes) sum += lane;
-    blocks[b] = sum;
-    total += sum;
+    blocks[b] = block_sum(w.data() + b * kDrawBlock);
+    total += blocks[b];
+  }
+  if (nucleus) {  // the tokens past the nucleus, then those under min_p, weigh 0
+    const float floor = std::max(nucleus_floor(w.data(), n, top_p * total), min_weight);
+    const __m256 vfloor = _mm256_set1_ps(floor);
+    total = 0.0;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      for (int64_t i = b * kDrawBlock; i < (b + 1) * kDrawBlock; i += 8) {
+        const __m256 e = _mm256_loadu_ps(w.data() + i);
+        _mm256_storeu_ps(w.data() + i, _mm256_and_ps(e, _mm256_cmp_ps(e, vfloor, _CMP_GE_OQ)));
+      }
+      blocks[b] = block_sum(w.data() + b * kDrawBlock);
+      total += blocks[b];
+    }
   }
   const double target = static_cast<double>(u) * total;
   double before = 0.0;  // the weights of the blocks before this one
@@ -173,17 +277,19 @@ int64_t draw(const float* row, int64_t n, float t, float min_p, float u, std::ve
 
 extern "C" {
 
-// out[r] = row r's sampled token (`draw`) at temperature t[r], min_p[r] and the uniform number
-// u[r] in [0, 1); rows `stride` elements apart. A row's token does not depend on the other rows.
+// out[r] = row r's sampled token (`draw`) at temperature t[r], min_p[r], top_p[r] and the
+// uniform number u[r] in [0, 1); rows `stride` elements apart. A row's token does not depend on
+// the other rows.
 void conveyor_draw_f32(const float* x, int64_t rows, int64_t n, int64_t stride, const float* t,
-                       const float* min_p, const float* u, int64_t* out, int threads) {
+                       const float* min_p, const float* top_p, const float* u, int64_t* out,
+                       int threads) {
 #pragma omp parallel num_threads(rows >= 4 ? threads : 1)
   {
     thread_local std::vector<float> w;
     thread_local std::vector<double> blocks;
 #pragma omp for
     for (int64_t r = 0; r < rows; ++r)
-      out[r] = draw(x + r * stride, n, t[r], min_p[r], u[r], w, blocks);
+      out[r] = draw(x + r * stride, n, t[r], min_p[r], top_p[r], u[r], w, blocks);
   }
 }
 

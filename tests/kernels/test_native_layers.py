@@ -153,6 +153,61 @@ def test_draw_picks_the_token_the_torch_draw_picks(rows, n) -> None:
     assert torch.equal(got, torch_draw(strided.contiguous(), temperature, min_p, u))
 
 
+def torch_nucleus_draw(logits, temperature, min_p, top_p, u):
+    """The torch path's draw with top-p: the sorted nucleus, then softmax, min_p and search."""
+    from conveyor.engine.sampler import _sorted_top_k_top_p
+
+    vocab = torch.full((logits.shape[0],), float(logits.shape[1]))
+    kept = _sorted_top_k_top_p(logits / temperature[:, None], vocab, top_p)
+    return torch_draw(kept, torch.ones(logits.shape[0]), min_p, u)
+
+
+@needs_avx2
+@pytest.mark.parametrize("rows, n", [(128, 32000), (8, 151936), (64, 100), (40, 13), (30, 3000)])
+def test_draw_with_top_p_picks_the_token_the_sorted_nucleus_gives(rows, n) -> None:
+    """Top-p inside the draw (its nucleus from a histogram of the weights, no sort) takes the
+    token that the sorted nucleus, softmax and a search take, at top_p's from tiny (the most
+    likely token alone) to nearly 1, with temperatures and min_p's (applied after top-p, as
+    torch's path applies them), flat and peaked rows, strided rows; a row with top_p 1 draws
+    as without it."""
+    g = torch.Generator().manual_seed(31)
+    logits = torch.randn(rows, n, generator=g) * torch.linspace(0.1, 12, rows)[:, None]
+    temperature = torch.rand(rows, generator=g) * 1.9 + 0.1
+    min_p = torch.where(torch.arange(rows) % 4 == 0, torch.rand(rows, generator=g) * 0.3, 0.0)
+    top_p = torch.rand(rows, generator=g) ** 0.3  # most of them near 1, where nuclei are wide
+    top_p[::7] = 1e-4
+    top_p[1::7] = 1.0
+    u = torch.rand(rows, generator=g)
+    want = torch_nucleus_draw(logits, temperature, min_p, top_p, u)
+    got = native_layers.draw(logits, temperature, min_p, u, top_p)
+    assert torch.equal(got, want)
+    assert torch.equal(got[1::7], native_layers.draw(logits, temperature, min_p, u)[1::7])
+    strided = torch.randn(rows, n + 3, generator=g)[:, :n]
+    got = native_layers.draw(strided, temperature, min_p, u, top_p)
+    assert torch.equal(got, torch_nucleus_draw(strided.contiguous(), temperature, min_p, top_p, u))
+
+
+@needs_avx2
+def test_top_p_keeps_every_token_tied_at_the_edge_of_the_nucleus() -> None:
+    """Weights 0.4, 0.2, 0.2, 0.2 (and tokens under them) with top_p 0.5: the nucleus ends
+    among the three tied 0.2's, and all three stay in it (a sort would keep whichever came
+    first): each of the four is drawn as often as its weight among them says; a token of
+    weight 0.1 past the nucleus never is. The same with the tie split by blocks of 64."""
+    for where in ([0, 1, 2, 3, 4], [70, 3, 130, 64, 5]):
+        row = torch.full((1, 200), float("-inf"))
+        row[0, where] = torch.tensor([0.4, 0.2, 0.2, 0.2, 0.1]).log()
+        draws = 40_000
+        many = row.expand(draws, -1).contiguous()
+        u = torch.rand(draws, generator=torch.Generator().manual_seed(4))
+        tokens = native_layers.draw(many, torch.ones(draws), torch.zeros(draws), u,
+                                    torch.full((draws,), 0.5))  # fmt: skip
+        counts = torch.bincount(tokens, minlength=200).double() / draws
+        want = torch.tensor([0.4, 0.2, 0.2, 0.2]) / 1.0
+        sigma = (want * (1 - want) / draws).sqrt()
+        assert ((counts[where[:4]] - want).abs() <= 5 * sigma).all(), counts[where]
+        assert counts[where[4]] == 0
+
+
 @needs_avx2
 def test_draw_of_masked_edge_and_non_finite_rows() -> None:
     """A -inf token is never drawn; u at 0 draws the first token with weight and u just under
