@@ -5,9 +5,9 @@ another order each round; each sampled run's time over the greedy run's of its r
 The workload and model are bench/engine_ceiling.py's: `--requests` (128) prompts of 32-400
 random tokens, 16-128 generated tokens each (EOS ignored), the benchmarks' random ~56M-parameter
 Llama (a 32,000-token vocabulary) on the engine's defaults. Its rows are flat next to a trained
-model's: top-p 0.95 keeps most of the vocabulary, so its nucleus never fits among a row's 64
-most likely tokens and every step sorts the whole vocabulary (a trained model's peaked rows
-settle among those 64, as top-k does).
+model's: top-p 0.95 keeps most of the vocabulary. The native draw finds such a nucleus without a
+sort; torch's draw sorts the whole vocabulary for it (a trained model's peaked rows settle among
+their 64 most likely tokens there, as top-k does).
 
     python bench/sampled_decoding.py                  # 2 rounds, ~2 minutes
     python bench/sampled_decoding.py --quick          # 32 requests, 1 round
