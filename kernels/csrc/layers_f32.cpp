@@ -125,13 +125,13 @@ float nucleus_floor(const float* w, int64_t n, double target) {
         for (int k = 0; k < kWays; ++k) {
           uint32_t bits;
           std::memcpy(&bits, w + i + k, sizeof bits);
-          hist[k][bits >> shift] += wide[k];
+          hist[k][(bits >> shift) & mask] += wide[k];
         }
       }
       for (; i < n; ++i) {
         uint32_t bits;
         std::memcpy(&bits, w + i, sizeof bits);
-        hist[0][bits >> shift] += w[i];
+        hist[0][(bits >> shift) & mask] += w[i];
       }
     } else {  // only the tokens of the bucket chosen: eight compared at once
       const int prefix_shift = kShift[level - 1];
