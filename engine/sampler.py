@@ -14,9 +14,9 @@ whole vocabulary only for a larger k: a full sort of 96 x 32,000 takes ~85 ms th
 sampled rows (`native_layers.draw`, chosen by the device plan's `sampling`): 256 rows of
 32,000 in ~7 ms, where softmax, a float64 copy of it, its cumulative sum and a search take
 ~23 (~70 where each step's large tensors are new memory). A row that top-k settles among its
-most likely tokens draws among those alone; a row without a k has its top-p applied inside
-the draw, its nucleus found from a histogram of its weights, with no sort (~0.05-0.1 ms more a
-row of 32,000 on one thread, ~0.25-0.45 of 151,936, where a sort takes ~3 and ~17). Torch's
+most likely tokens draws among those alone; top-p (after top-k) and min_p are applied inside
+the draw, the nucleus found from a histogram of the row's weights, with no sort (~0.05-0.1 ms
+more a row of 32,000 on one thread, ~0.25-0.45 of 151,936, where a sort takes ~3 and ~17). Torch's
 draw (other CPUs, GPUs) sorts: on the CPU after a look among each row's 64 most likely
 tokens, which hold the nucleus of a peaked row.
 """
@@ -217,37 +217,32 @@ def _top_k_top_p(
 def _draw_kept(
     logits: torch.Tensor, settings: torch.Tensor, rows: list[SampleRequest], u: torch.Tensor
 ) -> torch.Tensor:
-    """The native draw after top-k and top-p (`logits` already divided by the temperature,
-    `settings` the rows' [temperature, k, p, min_p]): a row with a k of at most 1,024 draws
-    among its k most likely tokens alone (after its top-p), in vocabulary order, without a row
-    of the vocabulary's size being made; a row with a larger k over its whole row, its drops at
-    -inf; a row without a k over its whole row with its top-p applied in the draw itself (its
-    nucleus found without a sort)."""
+    """The native draw after top-k (`logits` already divided by the temperature, `settings`
+    the rows' [temperature, k, p, min_p]), its top-p and min_p applied in the draw itself: a
+    row with a k of at most 1,024 draws among its k most likely tokens alone, in vocabulary
+    order, without a row of the vocabulary's size being made; a row with a larger k over its
+    whole row, the tokens past its k at -inf; a row without a k over its whole row."""
     tokens = torch.empty(len(rows), dtype=torch.int64)
     top_k, top_p, min_p = settings[:, 1], settings[:, 2], settings[:, 3]
-    settled, pending = _settle_among_most_likely(logits, top_k, top_p, rows, guess_nucleus=False)
-    done: set[int] = set()
-    for at, values, index in settled:
+    vocab = logits.shape[1]
+    ks = top_k.long().tolist()
+    if small := [i for i, k in enumerate(ks) if k < vocab and k <= MAX_K_LOOKUP]:
+        at = torch.tensor(small)
+        values, index = logits[at].topk(max(ks[i] for i in small), dim=-1)
         # each row among its own k candidates, so that where its kept tokens sit, and so the
         # order of its sums, is the row's own whatever else the step samples
-        widths = top_k[at].clamp(max=values.shape[1]).long().tolist()
-        for width in sorted(set(widths)):
-            rows_of = torch.tensor([j for j, w in enumerate(widths) if w == width])
+        for width in sorted({ks[i] for i in small}):
+            rows_of = torch.tensor([j for j, i in enumerate(small) if ks[i] == width])
             ids, order = index[rows_of, :width].sort(dim=-1)
             kept = values[rows_of, :width].gather(1, order)
-            picked = native_layers.draw(kept, torch.ones(len(rows_of)), min_p[at[rows_of]],
-                                        u[at[rows_of]])  # fmt: skip
-            tokens[at[rows_of]] = ids.gather(1, picked[:, None])[:, 0]
-        done.update(at.tolist())
-    # rows with a k past the lookup's, over their whole rows sorted (each row's draw its own,
-    # so apart is as together)
-    vocab = logits.shape[1]
-    if large_k := [i for i in pending if top_k[i] < vocab]:
-        at = torch.tensor(large_k)
-        whole = _sorted_top_k_top_p(logits[at], top_k[at], top_p[at])
-        tokens[at] = native_layers.draw(whole, torch.ones(len(at)), min_p[at], u[at])
-        done.update(large_k)
-    if rest := [i for i in range(len(rows)) if i not in done]:
+            of = at[rows_of]
+            picked = native_layers.draw(kept, torch.ones(len(of)), min_p[of], u[of], top_p[of])
+            tokens[of] = ids.gather(1, picked[:, None])[:, 0]
+    if large := [i for i, k in enumerate(ks) if MAX_K_LOOKUP < k < vocab]:
+        at = torch.tensor(large)
+        whole = _sorted_top_k_top_p(logits[at], top_k[at], torch.ones(len(at)))
+        tokens[at] = native_layers.draw(whole, torch.ones(len(at)), min_p[at], u[at], top_p[at])
+    if rest := [i for i, k in enumerate(ks) if k >= vocab]:
         at = torch.tensor(rest)
         tokens[at] = native_layers.draw(
             logits[at], torch.ones(len(at)), min_p[at], u[at], top_p[at]
@@ -256,21 +251,16 @@ def _draw_kept(
 
 
 def _settle_among_most_likely(
-    logits: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    rows: list[SampleRequest],
-    guess_nucleus: bool = True,
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, rows: list[SampleRequest]
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], list[int]]:
     """The rows with a top-k or top-p that their most likely tokens settle, in groups: each
     group's rows, the logits of their candidates (those dropped at -inf) and the candidates'
-    token ids; and the rows left (to a sort of the whole vocabulary). A row without a k looks
-    among its 64 most likely tokens for its nucleus only with `guess_nucleus`."""
+    token ids; and the rows left to a sort of the whole vocabulary."""
     vocab = logits.shape[1]
     ks = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
     pending = [i for i, r in enumerate(rows) if ks[i] < vocab or r.params.top_p < 1.0]
     with_k = [i for i in pending if ks[i] < vocab and ks[i] <= MAX_K_LOOKUP]
-    without = [i for i in pending if ks[i] == vocab and vocab > NUCLEUS_GUESS and guess_nucleus]
+    without = [i for i in pending if ks[i] == vocab and vocab > NUCLEUS_GUESS]
     settled = []
     for group, n in ((with_k, max((ks[i] for i in with_k), default=0)), (without, NUCLEUS_GUESS)):
         if not group:

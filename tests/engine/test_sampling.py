@@ -352,6 +352,25 @@ def test_the_native_draw_takes_the_tokens_the_torch_draw_takes():
 
 
 @pytest.mark.skipif(not native_layers.available(torch.float32), reason="no AVX2 and FMA")
+@pytest.mark.parametrize("top_k", [0, 4, 2000])
+def test_the_native_draw_keeps_every_token_tied_at_the_edge_of_the_nucleus(top_k):
+    """Probabilities 0.4, 0.2, 0.2, 0.2 (then 0.1 and a tail) with top_p 0.5: the nucleus ends
+    among three tied tokens, and the native draw keeps all three, with or without a top-k
+    (among its candidates, or a whole row masked past its k): each of the four is drawn as
+    often as its share of them says, what lies past them never."""
+    vocab = 3000
+    logits = torch.full((1, vocab), -30.0)
+    logits[0, [7, 2900, 15, 1500, 3]] = torch.tensor([0.4, 0.2, 0.2, 0.2, 0.1]).log()
+    params = SamplingParams(temperature=1.0, top_p=0.5, top_k=top_k)
+    got = sampled_frequencies(logits, params, 40_000, "native")
+    want = torch.tensor([0.4, 0.2, 0.2, 0.2], dtype=torch.float64) / 1.0
+    sigma = (want * (1 - want) / 40_000).sqrt()
+    assert ((got[[7, 2900, 15, 1500]] - want).abs() <= 5 * sigma).all(), got[[7, 2900, 15, 1500]]
+    got[[7, 2900, 15, 1500]] = 0.0
+    assert (got == 0).all()  # nothing past the nucleus
+
+
+@pytest.mark.skipif(not native_layers.available(torch.float32), reason="no AVX2 and FMA")
 def test_a_row_drawn_among_its_candidates_is_drawn_alike_in_any_batch(monkeypatch):
     """A seeded row's draw among its top-k candidates does not depend on the other rows of the
     step: it draws from a row of its own k candidates (not the widest k of the step, where its
