@@ -45,7 +45,7 @@ from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput, TokenLogprobs
 from conveyor.engine.prompt_logprobs import PromptLogprobs
 from conveyor.engine.protocol import Prompt, TokenizedPrompt
-from conveyor.engine.sampler import DRAW, Sampler, SampleRequest, SampleResult
+from conveyor.engine.sampler import Sampler, SampleRequest, SampleResult, draw_label
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.scheduler import Scheduler
 from conveyor.engine.sequence import Request, Sequence
@@ -202,7 +202,7 @@ class LLMEngine:
             "device": self.device.type,
             "plan": self.plan.as_dict(),
             "batch_invariant": c.batch_invariant,
-            "sampling": DRAW,
+            "sampling": draw_label(self.plan.sampling),
             "generation_config": c.generation_config,
             "chat_template_kwargs": self.chat_template.defaults,
         }

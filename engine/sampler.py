@@ -33,12 +33,19 @@ from conveyor.engine.outputs import TokenLogprobs
 from conveyor.kernels import native_layers
 from conveyor.kernels.upload import to_device, upload
 
-__all__ = ["SampleRequest", "SampleResult", "Sampler"]
+__all__ = ["SampleRequest", "SampleResult", "Sampler", "draw_label"]
 
 # how a sampled row's token is drawn, in the model's fingerprint: a seeded request's tokens
-# change with it (until 2026-11-28: "exponential race", noise for every token; until
-# 2026-11-30 the native draw's nucleus was found by a sort, float32 sums, one tie at its edge)
-DRAW = "inverse cdf, float64, one float32 uniform a row; native top-p: float64, ties kept"
+# change with it (until 2026-11-28: "exponential race", noise for every token)
+DRAW = "inverse cdf, float64, one float32 uniform a row"
+# the native draw's top-p (until 2026-11-30 it found the nucleus as torch's draw does: by a
+# sort, its sums in float32, one of the tokens tied at its edge)
+NATIVE_TOP_P = "top-p in the draw: float64 sums, ties at the edge kept"
+
+
+def draw_label(sampling: str) -> str:
+    """What the fingerprint says of the draw of a device plan's `sampling` (native, torch)."""
+    return f"{DRAW}; {NATIVE_TOP_P}" if sampling == "native" else DRAW
 
 
 @dataclass

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from conveyor.demo_model import write_tiny_model
 from conveyor.engine import LLM
@@ -44,6 +45,20 @@ def test_what_decides_the_answers_changes_it(model, tmp_path):
     config["rms_norm_eps"] = 1e-3
     (model / "config.json").write_text(json.dumps(config))
     assert fingerprint_of(model) != first
+
+
+def test_a_change_to_the_native_draw_changes_only_its_engines_fingerprints(model, monkeypatch):
+    """The native draw's own rules (its top-p) are in the fingerprint of an engine that draws
+    natively, and not in one that draws with torch, whose tokens they do not change."""
+    from conveyor.engine import sampler
+    from conveyor.kernels import native_layers
+
+    if not native_layers.available(torch.float32):
+        pytest.skip("no AVX2 and FMA: no native draw here")
+    before = {draw: fingerprint_of(model, sampling=draw) for draw in ("native", "torch")}
+    monkeypatch.setattr(sampler, "NATIVE_TOP_P", "top-p in the draw: some other rule")
+    assert fingerprint_of(model, sampling="native") != before["native"]
+    assert fingerprint_of(model, sampling="torch") == before["torch"]
 
 
 def test_weight_files_are_read_once_until_they_change(model, monkeypatch):
