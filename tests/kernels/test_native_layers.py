@@ -178,13 +178,19 @@ def test_draw_with_top_p_picks_the_token_the_sorted_nucleus_gives(rows, n) -> No
     top_p[::7] = 1e-4
     top_p[1::7] = 1.0
     u = torch.rand(rows, generator=g)
-    want = torch_nucleus_draw(logits, temperature, min_p, top_p, u)
-    got = native_layers.draw(logits, temperature, min_p, u, top_p)
-    assert torch.equal(got, want)
-    assert torch.equal(got[1::7], native_layers.draw(logits, temperature, min_p, u)[1::7])
-    strided = torch.randn(rows, n + 3, generator=g)[:, :n]
-    got = native_layers.draw(strided, temperature, min_p, u, top_p)
-    assert torch.equal(got, torch_nucleus_draw(strided.contiguous(), temperature, min_p, top_p, u))
+    for x in (logits, torch.randn(rows, n + 3, generator=g)[:, :n]):  # and rows apart by more
+        got = native_layers.draw(x, temperature, min_p, u, top_p)
+        want = torch_nucleus_draw(x.contiguous(), temperature, min_p, top_p, u)
+        # the two sum the nucleus in different orders and precisions (float64 here, float32
+        # there), so a row whose p falls within rounding of a token's edge may keep one token
+        # more or less: such a row takes the token a p a hair either side gives
+        for r in (got != want).nonzero().flatten().tolist():
+            edges = [torch_nucleus_draw(x[r : r + 1].contiguous(), temperature[r : r + 1],
+                                        min_p[r : r + 1], (top_p[r : r + 1] + d).clamp(max=1),
+                                        u[r : r + 1]).item() for d in (-1e-6, 1e-6)]  # fmt: skip
+            assert got[r].item() in edges, (r, got[r], want[r], edges)
+        assert (got != want).sum() <= max(1, rows // 25)
+    assert torch.equal(got[1::7], native_layers.draw(x, temperature, min_p, u)[1::7])
 
 
 @needs_avx2
@@ -202,7 +208,7 @@ def test_top_p_keeps_every_token_tied_at_the_edge_of_the_nucleus() -> None:
         tokens = native_layers.draw(many, torch.ones(draws), torch.zeros(draws), u,
                                     torch.full((draws,), 0.5))  # fmt: skip
         counts = torch.bincount(tokens, minlength=200).double() / draws
-        want = torch.tensor([0.4, 0.2, 0.2, 0.2]) / 1.0
+        want = torch.tensor([0.4, 0.2, 0.2, 0.2])
         sigma = (want * (1 - want) / draws).sqrt()
         assert ((counts[where[:4]] - want).abs() <= 5 * sigma).all(), counts[where]
         assert counts[where[4]] == 0
