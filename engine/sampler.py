@@ -155,7 +155,7 @@ class Sampler:
             if not with_k:  # top-p, where a row has one, is the draw's own
                 t, p, min_p = settings[:, 0], settings[:, 2], settings[:, 3]
                 return native_layers.draw(logits, t, min_p, u, p if filtered else None)
-            return _draw_kept(logits / settings[:, 0:1], settings, rows, u)
+            return _draw_kept(logits, settings, rows, u)
         logits = logits / settings[:, 0:1]
         if filtered:
             logits = _top_k_top_p(logits, settings[:, 1], settings[:, 2], rows)
@@ -224,18 +224,20 @@ def _top_k_top_p(
 def _draw_kept(
     logits: torch.Tensor, settings: torch.Tensor, rows: list[SampleRequest], u: torch.Tensor
 ) -> torch.Tensor:
-    """The native draw after top-k (`logits` already divided by the temperature, `settings`
-    the rows' [temperature, k, p, min_p]), its top-p and min_p applied in the draw itself: a
-    row with a k of at most 1,024 draws among its k most likely tokens alone, in vocabulary
-    order, without a row of the vocabulary's size being made; a row with a larger k over its
-    whole row, the tokens past its k at -inf; a row without a k over its whole row."""
+    """The native draw after top-k (`settings` the rows' [temperature, k, p, min_p]), its
+    top-p and min_p applied in the draw itself: a row with a k of at most 1,024 draws among its
+    k most likely tokens alone, in vocabulary order, without a row of the vocabulary's size
+    being made; a row with a larger k over its whole row, the tokens past its k at -inf; a row
+    without a k over its whole row, its temperature applied in the draw (only the rows with a
+    k are divided by theirs here: the same weights, one pass fewer over the others)."""
     tokens = torch.empty(len(rows), dtype=torch.int64)
-    top_k, top_p, min_p = settings[:, 1], settings[:, 2], settings[:, 3]
+    t, top_k, top_p, min_p = settings[:, 0], settings[:, 1], settings[:, 2], settings[:, 3]
     vocab = logits.shape[1]
     ks = top_k.long().tolist()
     if small := [i for i, k in enumerate(ks) if k < vocab and k <= MAX_K_LOOKUP]:
         at = torch.tensor(small)
-        values, index = logits[at].topk(max(ks[i] for i in small), dim=-1)
+        scaled = logits[at] / t[at, None]
+        values, index = scaled.topk(max(ks[i] for i in small), dim=-1)
         # each row among its own k candidates, so that where its kept tokens sit, and so the
         # order of its sums, is the row's own whatever else the step samples
         for width in sorted({ks[i] for i in small}):
@@ -247,13 +249,11 @@ def _draw_kept(
             tokens[of] = ids.gather(1, picked[:, None])[:, 0]
     if large := [i for i, k in enumerate(ks) if MAX_K_LOOKUP < k < vocab]:
         at = torch.tensor(large)
-        whole = _sorted_top_k_top_p(logits[at], top_k[at], torch.ones(len(at)))
+        whole = _sorted_top_k_top_p(logits[at] / t[at, None], top_k[at], torch.ones(len(at)))
         tokens[at] = native_layers.draw(whole, torch.ones(len(at)), min_p[at], u[at], top_p[at])
     if rest := [i for i, k in enumerate(ks) if k >= vocab]:
         at = torch.tensor(rest)
-        tokens[at] = native_layers.draw(
-            logits[at], torch.ones(len(at)), min_p[at], u[at], top_p[at]
-        )
+        tokens[at] = native_layers.draw(logits[at], t[at], min_p[at], u[at], top_p[at])
     return tokens
 
 
