@@ -84,36 +84,45 @@ def rms_norm(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _norm_rope_kernel(
-    x_ptr, w_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ct, eps,
-    HEAD_DIM: tl.constexpr, HALF_P2: tl.constexpr, HAS_NORM: tl.constexpr,
+    x_ptr, w_ptr, cos_ptr, sin_ptr, rows, heads, stride_xt, stride_xh, stride_ct, eps,
+    HEAD_DIM: tl.constexpr, HALF_P2: tl.constexpr, BLOCK_R: tl.constexpr, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    # a program takes BLOCK_R heads (rows of x seen as [tokens * heads, head_dim]), the halves
+    # of each head side by side as the columns of a [BLOCK_R, HALF_P2] tile
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    t, h = r // heads, r % heads
     half = HEAD_DIM // 2
     i = tl.arange(0, HALF_P2)
-    mask = i < half
+    mask = (r < rows)[:, None] & (i < half)[None, :]
     dtype = x_ptr.dtype.element_ty
-    base = x_ptr + t * stride_xt + h * stride_xh
-    x1 = tl.load(base + i, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + half + i, mask=mask, other=0.0).to(tl.float32)
+    base = x_ptr + (t * stride_xt + h * stride_xh)[:, None] + i[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + half, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
-        var = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM
-        inv = tl.rsqrt(var + eps)
-        w1 = tl.load(w_ptr + i, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + half + i, mask=mask, other=0.0).to(tl.float32)
+        var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM
+        inv = tl.rsqrt(var + eps)[:, None]
+        w1 = tl.load(w_ptr + i, mask=i < half, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + half + i, mask=i < half, other=0.0).to(tl.float32)[None, :]
         x1 = _rounded(w1 * _rounded(x1 * inv, dtype), dtype)
         x2 = _rounded(w2 * _rounded(x2 * inv, dtype), dtype)
-    c1 = tl.load(cos_ptr + t * stride_ct + i, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + t * stride_ct + half + i, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + t * stride_ct + i, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + t * stride_ct + half + i, mask=mask, other=0.0).to(tl.float32)
+    angles = cos_ptr + (t * stride_ct)[:, None] + i[None, :]
+    c1 = tl.load(angles, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(angles + half, mask=mask, other=0.0).to(tl.float32)
+    angles = sin_ptr + (t * stride_ct)[:, None] + i[None, :]
+    s1 = tl.load(angles, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(angles + half, mask=mask, other=0.0).to(tl.float32)
     # x * cos + rotate_half(x) * sin, each product rounded as eager rounds it
     o1 = _rounded(_rounded(x1 * c1, dtype) + _rounded(-x2 * s1, dtype), dtype)
     o2 = _rounded(_rounded(x2 * c2, dtype) + _rounded(x1 * s2, dtype), dtype)
-    tl.store(base + i, o1.to(dtype), mask=mask)
-    tl.store(base + half + i, o2.to(dtype), mask=mask)
+    tl.store(base, o1.to(dtype), mask=mask)
+    tl.store(base + half, o2.to(dtype), mask=mask)
+
+
+# values a norm_rope_ program takes (16 heads of 128): fewer, fuller programs than one a head;
+# Triton's interpreter runs programs one after another, so there the count is what costs
+NORM_ROPE_TILE = 2048
 
 
 def norm_rope_(
@@ -134,12 +143,15 @@ def norm_rope_(
         raise ValueError("cos and sin must be laid out alike, rows contiguous, in x's dtype")
     if tokens == 0:
         return x
+    half_p2 = triton.next_power_of_2(head_dim // 2)
+    block_r = max(1, NORM_ROPE_TILE // (2 * half_p2))
+    rows = tokens * heads
     with on_device(x.device):
-        _norm_rope_kernel[(tokens, heads)](
-            x, x if weight is None else weight, cos, sin, x.stride(0), x.stride(1),
+        _norm_rope_kernel[(triton.cdiv(rows, block_r),)](
+            x, x if weight is None else weight, cos, sin, rows, heads, x.stride(0), x.stride(1),
             cos.stride(0), eps,
-            HEAD_DIM=head_dim, HALF_P2=triton.next_power_of_2(head_dim // 2),
-            HAS_NORM=weight is not None, num_warps=1,  # a head is at most a few hundred values
+            HEAD_DIM=head_dim, HALF_P2=half_p2, BLOCK_R=block_r, HAS_NORM=weight is not None,
+            num_warps=4,
         )  # fmt: skip
     return x
 

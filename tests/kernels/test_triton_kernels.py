@@ -193,21 +193,26 @@ def test_the_engine_warm_up_compiles_the_attention_variants(checkpoints, monkeyp
 def _launch_keys(kernel_class, monkeypatch) -> dict[str, set]:
     """The variants Triton would compile, recorded per phase as the kernels launch: each
     argument as Triton keys it (a tensor's dtype and 16-byte alignment, an integer as 1, a
-    multiple of 16 or neither), and the constexpr and launch settings."""
+    multiple of 16 or neither, unless the kernel says not to specialize on it), and the
+    constexpr and launch settings."""
     from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import native_specialize_impl
 
     keys: dict[str, set] = {"phase": "warm-up", "warm-up": set(), "traffic": set()}
     run = kernel_class.run
 
-    def key(arg):
+    def key(arg, specialize: bool):
         if isinstance(arg, torch.Tensor | int | float) and not isinstance(arg, bool):
-            return native_specialize_impl(BaseBackend, arg, False, True, True)
+            return native_specialize_impl(BaseBackend, arg, False, specialize, True)
         return repr(arg)
 
     def recording_run(self, *args, grid, warmup, **kwargs):
         settings = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
-        keys[keys["phase"]].add((self.__name__, tuple(key(a) for a in args), settings))
+        # by name, as the kernels give it (the interpreter's keep it in `kwargs`)
+        kernel_settings = getattr(self, "kwargs", None) or vars(self)
+        unspecialized = kernel_settings.get("do_not_specialize") or ()
+        specialize = [name not in unspecialized for name in self.arg_names]
+        keys[keys["phase"]].add((self.__name__, tuple(map(key, args, specialize)), settings))
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     monkeypatch.setattr(kernel_class, "run", recording_run)
