@@ -6,7 +6,8 @@ on the tiny checkpoint and once through the service with `conveyor eval`: every 
 loglikelihood agrees within 1e-4, accuracies and generations are identical. Running the same
 `conveyor eval` again, after a Ctrl-C or after it finished, attaches to the batches it made. The
 same comparison runs through lm-eval's `local-completions` against `conveyor serve`'s online
-completions endpoint.
+completions endpoint. The first `conveyor eval` runs with lm-eval's own tasks indexed beside
+these, as a user's does; the other runs index these alone (`lm_eval_own_tasks.py`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from conveyor.testing import Stack, embedded_serve
 from tests.system.test_interrupt import PROMPT_SECONDS
 
 TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
+OWN_TASKS_ONLY = Path(__file__).parent / "lm_eval_own_tasks.py"
 TASKS = "conveyor_mc,conveyor_gen,conveyor_rolling"
 # one loglikelihood (a continuation of a few tokens) may differ from transformers' by this much
 LOGPROB_TOLERANCE = 1e-4
@@ -58,10 +60,19 @@ def task_args(output_path: Path) -> list[str]:
             str(output_path)]  # fmt: skip
 
 
-def run(argv: list[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
+def python(argv: list[str], all_tasks: bool) -> list[str]:
+    """`python ARGV`; unless `all_tasks`, with lm-eval's task index narrowed to the tasks'
+    folder (`lm_eval_own_tasks.py`: the index of lm-eval's own ~14,000 task files is ~15 s a
+    run on a slow CPU)."""
+    return [sys.executable, *([] if all_tasks else [str(OWN_TASKS_ONLY)]), *argv]
+
+
+def run(
+    argv: list[str], env: dict[str, str], timeout: float = 600, all_tasks: bool = False
+) -> subprocess.CompletedProcess:
     """`python ARGV` in the tasks' folder (their data files are relative to it)."""
     return subprocess.run(
-        [sys.executable, *argv],
+        python(argv, all_tasks),
         cwd=TASKS_DIR,
         env=env,
         capture_output=True,
@@ -163,8 +174,9 @@ def test_conveyor_eval_matches_lm_eval_hf(
     api = stack.start_api()
     stack.start_worker("w1", chat_model)
     env = lm_eval_env(tmp_path, CONVEYOR_URL=api)  # base_url's default
-    # no tokenizer given: the server's, through its /tokenize and /tokenizer_info
-    done = run(conveyor_eval("poll=0.2", tmp_path / "out"), env)
+    # no tokenizer given: the server's, through its /tokenize and /tokenizer_info; lm-eval's own
+    # tasks indexed beside ours, as a user's run has them
+    done = run(conveyor_eval("poll=0.2", tmp_path / "out"), env, all_tasks=True)
     assert done.returncode == EXIT_OK, done.stderr[-5000:]
     assert "Using remote tokenizer" in done.stderr
     assert_matches_hf(read_run(tmp_path / "out"), hf_run, chat_model)
@@ -198,7 +210,7 @@ def test_rerunning_conveyor_eval_attaches_to_its_batches(
     model_args = f"base_url={api},model=tiny,tokenizer={chat_model},poll=0.2,max_batch_lines=50"
     argv = conveyor_eval(model_args, tmp_path / "first")
     first = subprocess.Popen(
-        [sys.executable, *argv], cwd=TASKS_DIR, env=env, stderr=subprocess.PIPE, text=True
+        python(argv, all_tasks=False), cwd=TASKS_DIR, env=env, stderr=subprocess.PIPE, text=True
     )
     try:
         waiting = wait_for_batches(api, 3)
