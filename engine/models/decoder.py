@@ -41,14 +41,18 @@ from conveyor.kernels import AttentionBackend, AttentionMetadata, native_layers
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
-# checkpoint module name -> (our packed module name, shard)
 # The most a warm-up product run may cost (one of each projection shape and the output layer
 # at one row count): past it a decode step's products take ~10 ms or more on a CPU and hide the
 # ~0.3 ms of a new shape's kernel, while warming every row count up to 256 costs all their
 # products: ~2 minutes for a Qwen2.5-0.5B in float32 on a 2-core CPU (its 151,936-way output
 # layer), where this bound stops at 6 rows.
 WARM_UP_ROW_FLOPS = 2e9
+# The most row counts a warm-up runs: a step of more sequences is batch traffic, which pays a
+# shape's kernel build once in the run as it would have at the start (a model small enough to
+# reach this bound builds ~6 kernels a row count, ~1 ms each: 0.3 s to 64 rows, 1.3 s to 256)
+WARM_UP_MAX_ROWS = 64
 
+# checkpoint module name -> (our packed module name, shard)
 PACKED = {
     "q_proj": ("qkv_proj", "q"),
     "k_proj": ("qkv_proj", "k"),
@@ -373,9 +377,9 @@ class DecoderForCausalLM(nn.Module):
     def warm_up_products(self, max_rows: int) -> int:
         """Run each distinct projection (one layer's and the output layer) at every row count
         up to `max_rows`, a decode step's possible batch sizes, as far as their products at
-        that count cost at most `WARM_UP_ROW_FLOPS`: oneDNN builds a product kernel the first
-        time it meets a shape (~0.3 ms), which would otherwise fall on live steps. Returns the
-        last row count run (0: none)."""
+        that count cost at most `WARM_UP_ROW_FLOPS`, and to `WARM_UP_MAX_ROWS` at most: oneDNN
+        builds a product kernel the first time it meets a shape (~0.3 ms), which would
+        otherwise fall on live steps. Returns the last row count run (0: none)."""
         if self.packed_lm_head is None:
             return 0
         shapes: dict[tuple[int, int], Linear] = {}
@@ -387,7 +391,7 @@ class DecoderForCausalLM(nn.Module):
         projections.append((self.compute_logits, hidden))
         row_flops = sum(2 * m.in_features * m.out_features for m in shapes.values())
         row_flops += 2 * hidden * self.lm_head.out_features
-        last = min(max_rows, int(WARM_UP_ROW_FLOPS // row_flops))
+        last = min(max_rows, WARM_UP_MAX_ROWS, int(WARM_UP_ROW_FLOPS // row_flops))
         dtype = self.model.embed_tokens.weight.dtype
         with torch.inference_mode():
             for rows in range(1, last + 1):

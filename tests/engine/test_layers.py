@@ -104,8 +104,8 @@ def product_shapes(model) -> set[tuple[int, int]]:
 
 def test_warm_up_runs_every_projection_at_every_decode_batch_size(checkpoints, monkeypatch):
     """oneDNN builds a product kernel per shape the first time it meets it: a worker's warm-up
-    meets every projection shape at every batch size a decode step can have, and the cache
-    those kernels live in is sized to keep them all."""
+    meets every projection shape at every batch size a decode step can have (here 12, within
+    the warm-up's bounds), and the cache those kernels live in is sized to keep them all."""
     import os
 
     from conveyor.engine import LLM
@@ -128,7 +128,8 @@ def test_warm_up_stops_at_the_batch_sizes_whose_products_hide_a_kernel_build(
 ):
     """Warming every batch size up to 256 costs all their products, minutes for a real model's
     output layer on a CPU: the warm-up runs the sizes whose products cost at most
-    WARM_UP_ROW_FLOPS, each projection at each of them, and none past them."""
+    WARM_UP_ROW_FLOPS, up to WARM_UP_MAX_ROWS of them, each projection at each of them, and
+    none past them."""
     from conveyor.engine import LLM
     from conveyor.engine.models import decoder
 
@@ -145,3 +146,7 @@ def test_warm_up_stops_at_the_batch_sizes_whose_products_hide_a_kernel_build(
     assert model.warm_up_products(12) == 0 and not seen
     monkeypatch.setattr(decoder, "WARM_UP_ROW_FLOPS", 1e15)
     assert model.warm_up_products(12) == 12  # never past a decode step's largest batch
+    seen.clear()
+    monkeypatch.setattr(decoder, "WARM_UP_MAX_ROWS", 7)
+    assert model.warm_up_products(12) == 7
+    assert seen == {(rows, *shape) for rows in range(1, 8) for shape in shapes}
