@@ -43,10 +43,20 @@ from tests.hf_reference import ARCHS  # noqa: E402
 # and an empty Redis database.
 
 
+# test folders by how long their files run, the longest first ("tests": the files at the top,
+# which run the docs' build and the GPU check's dry run)
+LONGEST_FIRST = ("system", "ui", "tests", "kernels", "engine")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # the service's tests are the longest: they go out first, so that with a test process per
-    # core the short ones fill the gaps at the end instead of one long file running alone
-    items.sort(key=lambda item: item.path.parts[-2] != "system")
+    # the longest files go out first (pyproject's addopts keep xdist from reordering them by
+    # their count of tests), so that with a test process per core the short ones fill the gaps
+    # at the end instead of one long file running alone
+    def rank(item: pytest.Item) -> int:
+        folder = item.path.parts[-2]
+        return LONGEST_FIRST.index(folder) if folder in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)
     if torch.cuda.is_available():
         return
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU: torch sees none here")
