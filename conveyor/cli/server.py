@@ -158,10 +158,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "before exposing the API beyond this machine",
             file=sys.stderr,
         )
+    from conveyor.api.server import listen
+
+    try:
+        sock = listen(args.host, args.port)
+    except OSError as err:
+        return fail("serve", f"cannot listen on {args.host}:{args.port}: {err.strerror or err}")
     _upgrade_embedded_ledger(settings)
-    server = _api_server(settings, args.host, args.port)
+    server = _api_server(settings)
     if not settings.embedded or args.no_worker:
-        server.run()
+        server.run(sockets=[sock])
         return EXIT_OK
 
     from conveyor.worker.main import consume, start_runtime
@@ -177,7 +183,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         runtime = start_runtime(settings, model, names, engine_config(args), restart_engine=True)
     except Exception as err:
         return fail("serve", f"cannot start the worker: {type(err).__name__}: {err}")
-    thread = threading.Thread(target=server.run, name="conveyor-api", daemon=True)
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="conveyor-api", daemon=True
+    )
     thread.start()
     try:
         # Celery wants the main thread
@@ -218,11 +226,11 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _api_server(settings: Any, host: str, port: int) -> Any:
-    """The API's uvicorn server, not yet running."""
+def _api_server(settings: Any) -> Any:
+    """The API's uvicorn server, not yet running: its `run` takes the socket to serve on."""
     from conveyor.api.server import api_server
 
-    return api_server(settings, host, port)
+    return api_server(settings)
 
 
 def _embedded_model(settings: Any, args: argparse.Namespace) -> tuple[str, list[str]]:

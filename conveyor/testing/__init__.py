@@ -25,7 +25,9 @@ from conveyor.testing.batches import (
 )
 from conveyor.testing.servers import LocalPostgres, LocalRedis, ServerMissing, free_port
 from conveyor.testing.stack import (
+    PORT_TRIES,
     Stack,
+    await_serving,
     embedded_serve,
     service_deployment,
     service_env,
@@ -34,11 +36,13 @@ from conveyor.testing.stack import (
 )
 
 __all__ = [
+    "PORT_TRIES",
     "ApiKey",
     "LocalPostgres",
     "LocalRedis",
     "ServerMissing",
     "Stack",
+    "await_serving",
     "batch_lines",
     "create_key",
     "download",

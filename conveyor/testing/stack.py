@@ -11,7 +11,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,23 +90,15 @@ class Stack:
         return "\n".join(self.log(name).splitlines()[-lines:])
 
     def start_api(self, *extra: str, timeout: float = 60) -> str:
-        """`conveyor serve EXTRA...` on a free port; its URL once /healthz answers."""
-        port = free_port()
-        args = ["serve", "--host", "127.0.0.1", "--port", str(port), *extra]
-        proc = self.start("api", conveyor_argv(args))
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the API exited with {proc.returncode}:\n{self.log('api')}")
-            try:
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    self.api_url = url
-                    return url
-            except httpx.HTTPError:
-                pass
-            time.sleep(self.poll_interval)
-        raise RuntimeError(f"the API did not start:\n{self.log('api')}")
+        """`conveyor serve EXTRA...` on a free port; its URL once it serves there."""
+        for _ in range(PORT_TRIES):
+            port = free_port()
+            args = ["serve", "--host", "127.0.0.1", "--port", str(port), *extra]
+            proc = self.start("api", conveyor_argv(args))
+            if await_serving(proc, port, lambda: self.log("api"), timeout):
+                self.api_url = f"http://127.0.0.1:{port}"
+                return self.api_url
+        raise RuntimeError(f"{PORT_TRIES} free ports in a row were taken before the API bound")
 
     def start_worker(
         self,
@@ -175,25 +167,67 @@ def embedded_serve(
     to this process's environment; yields its URL once the worker is ready."""
     base = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
     env = base | {"CONVEYOR_DATA_DIR": str(root / "data"), "PYTHONUNBUFFERED": "1"} | (env or {})
-    port = free_port()
-    args = ["serve", "--port", str(port), "--model", str(model),
-            "--served-model-name", served_name, *extra]  # fmt: skip
     log_path = root / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            conveyor_argv(args, launcher), env=env, cwd=root, stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
+    log_path.write_bytes(b"")
+
+    def log_text() -> str:
+        return log_path.read_text(errors="replace")
+
+    for _ in range(PORT_TRIES):
+        port = free_port()
+        args = ["serve", "--port", str(port), "--model", str(model),
+                "--served-model-name", served_name, *extra]  # fmt: skip
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                conveyor_argv(args, launcher), env=env, cwd=root, stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        try:
+            if await_serving(proc, port, log_text, timeout):
+                break
+        except BaseException:
+            stop_group(proc)
+            raise
+    else:
+        raise RuntimeError(f"{PORT_TRIES} free ports in a row were taken before serve bound")
     try:
         deadline = time.time() + timeout
-        while "ready." not in log_path.read_text(errors="replace"):  # the worker consumes
-            assert proc.poll() is None, log_path.read_text(errors="replace")
-            assert time.time() < deadline, log_path.read_text(errors="replace")
+        while "ready." not in log_text():  # the worker consumes
+            assert proc.poll() is None, log_text()
+            assert time.time() < deadline, log_text()
             time.sleep(0.3)
         yield f"http://127.0.0.1:{port}"
     finally:
         stop_group(proc)
+
+
+# `free_port` closes the port it found, so another process may take it before `conveyor serve`
+# binds it: serve then exits saying so, and is started again on another
+PORT_TRIES = 5
+
+
+def await_serving(
+    proc: subprocess.Popen, port: int, log: Callable[[], str], timeout: float
+) -> bool:
+    """Wait until `proc`, a `conveyor serve` on 127.0.0.1:`port`, serves there (True; its
+    /healthz answers), or exits because the port was taken (False). An answer on the port
+    before serve says it serves could come from another server: it is not taken for serve's.
+    Raises RuntimeError when serve exits otherwise or is not serving within `timeout` s."""
+    serving, taken = f"API serving on http://127.0.0.1:{port} ", f"listen on 127.0.0.1:{port}:"
+    deadline = time.monotonic() + timeout
+    while serving not in log():
+        if proc.poll() is not None:
+            if taken in log():
+                return False
+            raise RuntimeError(f"serve exited with {proc.returncode}:\n{log()}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"serve did not start in {timeout:.0f} s:\n{log()}")
+        time.sleep(0.1)
+    health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10)
+    if health.status_code != 200:
+        raise RuntimeError(f"serve's /healthz answered {health.status_code}:\n{log()}")
+    return True
 
 
 def stop_group(proc: subprocess.Popen, grace: float = 30) -> None:

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +19,8 @@ import httpx
 import pytest
 
 from conveyor.testing import (
+    PORT_TRIES,
+    await_serving,
     batch_lines,
     free_port,
     stop_group,
@@ -35,33 +38,30 @@ SIGTERM_SECONDS = 3.0  # an idle service stops within a second; the rest is room
 @contextlib.contextmanager
 def serving(python: str, root: Path, env: dict[str, str]) -> Iterator[tuple[str, subprocess.Popen]]:
     """`PYTHON -m conveyor serve` on embedded defaults in `root`; yields its URL and process
-    once it answers."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    once it serves."""
     log_path = root / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [python, "-m", "conveyor", "serve", "--port", str(port)],
-            env=env,
-            cwd=root,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        deadline = time.time() + 180
-        while True:
-            assert proc.poll() is None, f"serve exited with {proc.returncode}:\n" + (
-                log_path.read_text(errors="replace")
+    log_path.write_bytes(b"")
+    for _ in range(PORT_TRIES):
+        port = free_port()
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [python, "-m", "conveyor", "serve", "--port", str(port)],
+                env=env,
+                cwd=root,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
-            try:
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "serve did not start:\n" + log_path.read_text()
-            time.sleep(0.3)
-        yield url, proc
+        try:
+            if await_serving(proc, port, lambda: log_path.read_text(errors="replace"), 180):
+                break
+        except BaseException:
+            stop_group(proc)
+            raise
+    else:
+        pytest.fail(f"{PORT_TRIES} free ports in a row were taken before serve bound")
+    try:
+        yield f"http://127.0.0.1:{port}", proc
     finally:
         stop_group(proc)
 
@@ -262,3 +262,31 @@ def test_sigterm_stops_an_idle_serve_at_once_keeping_its_work(tmp_path: Path) ->
         assert len(output.splitlines()) == 2
         (worker,) = httpx.get(url + "/v1/workers").json()["data"]  # the first one withdrew
         assert worker["id"] != first["id"]
+
+
+@pytest.mark.parametrize("layout", ["embedded", "service"])
+def test_serve_refuses_a_port_in_use_at_once(
+    layout: str, tmp_path: Path, database_url: str, redis_url: str
+) -> None:
+    """A port another server listens on: `conveyor serve` says so and exits 1 before loading
+    anything (in the embedded layout its worker used to run on without an API, the API's
+    thread having ended quietly)."""
+    env = embedded_env(tmp_path / "data")
+    if layout == "service":
+        env |= {"DATABASE_URL": database_url, "REDIS_URL": redis_url}
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "conveyor", "serve", "--port", str(port)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert f"serve: error: cannot listen on 127.0.0.1:{port}: Address already in use" in (
+        done.stderr
+    )
+    assert not (tmp_path / "data").exists()  # nothing made: no ledger, no demo model
