@@ -137,13 +137,29 @@ def chat_model(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("service-model") / "tiny", "llama")
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    report = yield
+    if report.when == "call":
+        item.stash[CALL_FAILED] = report.failed
+    return report
+
+
+CALL_FAILED = pytest.StashKey[bool]()
+
+
 @pytest.fixture
-def stack(database_url: str, redis_url: str, tmp_path: Path) -> Iterator[Stack]:
+def stack(
+    database_url: str, redis_url: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Stack]:
     s = Stack(env=stack_env(database_url, redis_url, tmp_path), root=tmp_path)
     try:
         yield s
     finally:
         s.stop()
+        if request.node.stash.get(CALL_FAILED, False):  # what the processes said, in the report
+            for name in s.named:
+                print(f"---- the end of {name}.log ----\n{s.log_tail(name, 60)}")
 
 
 # ---- models and transformers as the reference ---------------------------------------------------
