@@ -25,10 +25,9 @@ from conveyor.testing.batches import (
 )
 from conveyor.testing.servers import LocalPostgres, LocalRedis, ServerMissing, free_port
 from conveyor.testing.stack import (
-    PORT_TRIES,
     Stack,
-    await_serving,
     embedded_serve,
+    serve_on_free_port,
     service_deployment,
     service_env,
     stack_env,
@@ -36,19 +35,18 @@ from conveyor.testing.stack import (
 )
 
 __all__ = [
-    "PORT_TRIES",
     "ApiKey",
     "LocalPostgres",
     "LocalRedis",
     "ServerMissing",
     "Stack",
-    "await_serving",
     "batch_lines",
     "create_key",
     "download",
     "embedded_serve",
     "free_port",
     "run_keys",
+    "serve_on_free_port",
     "service_deployment",
     "service_env",
     "stack_env",

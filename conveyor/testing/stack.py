@@ -91,14 +91,14 @@ class Stack:
 
     def start_api(self, *extra: str, timeout: float = 60) -> str:
         """`conveyor serve EXTRA...` on a free port; its URL once it serves there."""
-        for _ in range(PORT_TRIES):
-            port = free_port()
+
+        def launch(port: int) -> subprocess.Popen:
             args = ["serve", "--host", "127.0.0.1", "--port", str(port), *extra]
-            proc = self.start("api", conveyor_argv(args))
-            if await_serving(proc, port, lambda: self.log("api"), timeout):
-                self.api_url = f"http://127.0.0.1:{port}"
-                return self.api_url
-        raise RuntimeError(f"{PORT_TRIES} free ports in a row were taken before the API bound")
+            return self.start("api", conveyor_argv(args))
+
+        _, port = serve_on_free_port(launch, lambda: self.log("api"), timeout)
+        self.api_url = f"http://127.0.0.1:{port}"
+        return self.api_url
 
     def start_worker(
         self,
@@ -173,24 +173,17 @@ def embedded_serve(
     def log_text() -> str:
         return log_path.read_text(errors="replace")
 
-    for _ in range(PORT_TRIES):
-        port = free_port()
+    def launch(port: int) -> subprocess.Popen:
         args = ["serve", "--port", str(port), "--model", str(model),
                 "--served-model-name", served_name, *extra]  # fmt: skip
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
+            return subprocess.Popen(
                 conveyor_argv(args, launcher), env=env, cwd=root, stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
-        try:
-            if await_serving(proc, port, log_text, timeout):
-                break
-        except BaseException:
-            stop_group(proc)
-            raise
-    else:
-        raise RuntimeError(f"{PORT_TRIES} free ports in a row were taken before serve bound")
+
+    proc, port = serve_on_free_port(launch, log_text, timeout)
     try:
         deadline = time.time() + timeout
         while "ready." not in log_text():  # the worker consumes
@@ -205,6 +198,24 @@ def embedded_serve(
 # `free_port` closes the port it found, so another process may take it before `conveyor serve`
 # binds it: serve then exits saying so, and is started again on another
 PORT_TRIES = 5
+
+
+def serve_on_free_port(
+    launch: Callable[[int], subprocess.Popen], log: Callable[[], str], timeout: float
+) -> tuple[subprocess.Popen, int]:
+    """(process, port) of the `conveyor serve` that `launch(port)` starts on a free port, once
+    it serves there (`await_serving`), started again on another port while the one picked was
+    taken; a serve that fails otherwise is stopped and the error raised."""
+    for _ in range(PORT_TRIES):
+        port = free_port()
+        proc = launch(port)
+        try:
+            if await_serving(proc, port, log, timeout):
+                return proc, port
+        except BaseException:
+            stop_group(proc)
+            raise
+    raise RuntimeError(f"{PORT_TRIES} free ports in a row were taken before serve bound")
 
 
 def await_serving(

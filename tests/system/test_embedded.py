@@ -19,10 +19,8 @@ import httpx
 import pytest
 
 from conveyor.testing import (
-    PORT_TRIES,
-    await_serving,
     batch_lines,
-    free_port,
+    serve_on_free_port,
     stop_group,
     submit_batch,
     wait_for,
@@ -41,10 +39,10 @@ def serving(python: str, root: Path, env: dict[str, str]) -> Iterator[tuple[str,
     once it serves."""
     log_path = root / "serve.log"
     log_path.write_bytes(b"")
-    for _ in range(PORT_TRIES):
-        port = free_port()
+
+    def launch(port: int) -> subprocess.Popen:
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
+            return subprocess.Popen(
                 [python, "-m", "conveyor", "serve", "--port", str(port)],
                 env=env,
                 cwd=root,
@@ -52,14 +50,8 @@ def serving(python: str, root: Path, env: dict[str, str]) -> Iterator[tuple[str,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        try:
-            if await_serving(proc, port, lambda: log_path.read_text(errors="replace"), 180):
-                break
-        except BaseException:
-            stop_group(proc)
-            raise
-    else:
-        pytest.fail(f"{PORT_TRIES} free ports in a row were taken before serve bound")
+
+    proc, port = serve_on_free_port(launch, lambda: log_path.read_text(errors="replace"), 180)
     try:
         yield f"http://127.0.0.1:{port}", proc
     finally:
