@@ -401,7 +401,9 @@ class WorkerRuntime:
             return "done"
         if self._wait_for_results(shard_id, pending, service):
             return "done"  # the writer closed the shard with its last result
-        pending.take_over()
+        if not pending.take_over():  # it stopped as its last results were being committed
+            pending.wait(self.settings.heartbeat_timeout)
+            return "done"  # the writer closes the shard with them
         service.abort([job.request_id for job in jobs])
         return self._stop_early(shard_id, claim.batch_id, service)
 

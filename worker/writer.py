@@ -43,12 +43,16 @@ class PendingResults:
 
     The writer closes the shard in the transaction that commits its last result, unless the
     shard's task took that over (`take_over`: it stopped early and closes the shard itself).
+    Which of the two closes it is settled once, under the lock: a task that stops while the
+    writer commits the last results (it saw the batch completed by that very commit) finds
+    the shard finished, not stopped.
     """
 
     def __init__(self, shard_id: int, batch_id: str, n: int) -> None:
         self.shard_id, self.batch_id = shard_id, batch_id
         self.left = n
         self.writer_closes = True
+        self.closing = False  # the writer is committing the last results and closes the shard
         self.cond = threading.Condition()
 
     def committed(self, n: int) -> None:
@@ -62,9 +66,21 @@ class PendingResults:
         with self.cond:
             return self.cond.wait_for(lambda: self.left <= 0, timeout)
 
-    def take_over(self) -> None:
+    def take_over(self) -> bool:
+        """The shard's task closes the shard itself; False when that is too late: the writer
+        is committing the shard's last results and closes it."""
         with self.cond:
+            if self.closing:
+                return False
             self.writer_closes = False
+            return True
+
+    def close_with(self, n: int) -> bool:
+        """Whether the writer closes the shard in the commit of these `n` results: they are
+        its last, and its task has not taken the close over."""
+        with self.cond:
+            self.closing = self.writer_closes and self.left == n
+            return self.closing
 
 
 @dataclass
@@ -141,7 +157,7 @@ class ResultWriter(threading.Thread):
     def _commit(self, batch: list[WriteItem]) -> None:
         per_shard = Counter(item.shard for item in batch)
         # shards whose last results are these: closed in the same transaction
-        closing = [t for t, n in per_shard.items() if t.writer_closes and t.left == n]
+        closing = [t for t, n in per_shard.items() if t.close_with(n)]
 
         def record_and_close(session: Session) -> None:
             self._record(session, batch)
