@@ -9,11 +9,15 @@ The quiet and the busy runs take turns (`--rounds` of each, quiet first), and ea
 throughput is its tokens over its time summed over its runs: a machine whose speed wanders
 during the minutes of the bench (a shared host's does) then weighs on both sides alike.
 
-Three ratios are printed: the batch's wall-clock throughput, its throughput over its time in
+Four ratios are printed: the batch's wall-clock throughput, its throughput over its time in
 the worker (first request started to last result written), and that per core-second the
-worker process had. The last is what the clients' requests cost the engine: where the API,
+worker process had. The third is what the clients' requests cost the worker: where the API,
 the clients, Redis and PostgreSQL cannot all be kept off the worker's cores (PostgreSQL runs
-where the system puts it), the first two also count what they took from the worker.
+where the system puts it), the first two also count what they took from the worker. The
+fourth is the engine's own share of the loss: the same batch on the engine alone, in this
+process on the worker's cores once the service is stopped, quietly and with online streams
+arriving as fast as the service's clients dropped them, each aborted after as many tokens as a
+dropped stream generated there.
 Each side also reports `submit_s`, its batches' upload and creation through the API: part of
 the wall-clock time, and the part the clients slow most (they load the API's core).
 
@@ -42,6 +46,8 @@ import threading
 import time
 from dataclasses import fields
 from datetime import date
+from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -52,6 +58,7 @@ from report import print_result
 
 from conveyor.demo_model import write_tiny_model
 from conveyor.engine.config import EngineConfig
+from conveyor.engine.sampling_params import SamplingParams
 from conveyor.testing import (
     Stack,
     batch_lines,
@@ -61,6 +68,8 @@ from conveyor.testing import (
     wait_for,
     write_jsonl,
 )
+from conveyor.worker.online import ONLINE_PRIORITY
+from conveyor.worker.runtime import BATCH_PRIORITY
 
 GOAL_RATIO = 0.9
 RUNNING = "conveyor:num_requests_running"
@@ -328,6 +337,69 @@ def measure(stack: Stack, args: argparse.Namespace, worker_cpus: set[int]) -> di
             "churn_runs_tok_s": [r["tok_s"] for r in busy_runs]}  # fmt: skip
 
 
+def engine_share(stack: Stack, seen: dict, args: argparse.Namespace, cpus: set[int]) -> dict:
+    """`engine_alone` at the service's rate of drops and tokens per drop, the service
+    stopped first so that the engine has the worker's cores to itself."""
+    stack.stop()
+    rate = seen["drops"] / seen["churn"]["wall_s"]
+    keep = max(1, round(seen["churn"]["tokens_per_drop"]))
+    ratio = engine_alone(stack.root / "model", args, cpus, rate, keep)
+    return {"engine_alone_drops_per_s": round(rate, 1), "engine_alone_tokens_per_drop": keep,
+            "engine_alone_ratio": round(ratio, 3)}  # fmt: skip
+
+
+def engine_alone(model: Path, args: argparse.Namespace, cpus: set[int], rate: float, keep: int):
+    """The ratio of the engine alone: the same batch, in this process on the worker's cores,
+    quietly and with online streams arriving at `rate` a second (the service's drops), each
+    aborted once it has `keep` tokens (what a dropped stream generated there): what the churn
+    costs the engine itself, without the worker's other threads and the API, the clients,
+    Redis and PostgreSQL beside it."""
+    from conveyor import LLM
+
+    others = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        llm = LLM(str(model), EngineConfig(urgent_share=args.urgent_share))
+        llm.warm_up()
+        lines = batch_lines(args.requests, max_tokens=args.max_tokens)
+        prompts = [llm.apply_chat_template(line["body"]["messages"]) for line in lines]
+        quiet = busy = 0.0
+        for _ in range(args.rounds):  # taking turns, as the service's runs do
+            quiet += engine_run(llm, prompts, args.max_tokens, 0.0, keep)
+            busy += engine_run(llm, prompts, args.max_tokens, rate, keep)
+    finally:
+        os.sched_setaffinity(0, others)
+    return quiet / busy
+
+
+def engine_run(llm: Any, prompts: list, max_tokens: int, rate: float, keep: int) -> float:
+    """Seconds the engine takes to finish the batch while online streams arrive at `rate` a
+    second (none at 0), each aborted once it has `keep` tokens."""
+    batch = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    online = SamplingParams(max_tokens=STREAM_MAX_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        llm.add_request(f"batch-{i}", prompt, batch, priority=BATCH_PRIORITY)
+    left, streams = len(prompts), set()
+    started = next_at = time.perf_counter()
+    while left:
+        while rate and time.perf_counter() >= next_at:
+            stream = f"online-{next_at}"
+            prompt = stream_body(stream)["prompt"]
+            llm.add_request(stream, prompt, online, priority=ONLINE_PRIORITY, stream=True)
+            streams.add(stream)
+            next_at += 1 / rate
+        for out in llm.step():
+            if out.request_id not in streams:
+                left -= out.finished
+            elif len(out.outputs[0].token_ids) >= keep:
+                llm.abort(out.request_id)
+                streams.discard(out.request_id)
+    elapsed = time.perf_counter() - started
+    for stream in streams:
+        llm.abort(stream)
+    return elapsed
+
+
 def summed(runs: list[dict]) -> dict:
     """One side's runs as one: its tokens over its time, its cores averaged over its time."""
     wall, run = sum(r["wall_s"] for r in runs), sum(r["run_s"] for r in runs)
@@ -349,6 +421,7 @@ def main(argv: list[str] | None = None) -> dict:
            "CONVEYOR_URGENT_SHARE": str(args.urgent_share)}  # fmt: skip
     with service_deployment("churn", **env) as stack:
         seen = measure(stack, args, worker_cpus)
+        alone = engine_share(stack, seen, args, worker_cpus)
     ratio = seen["churn"]["tok_s"] / seen["quiet"]["tok_s"]
     run_ratio = seen["churn"]["run_tok_s"] / seen["quiet"]["run_tok_s"]
     # per core-second the worker had: what the clients' requests cost the engine, without what
@@ -374,6 +447,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ratio_vs_quiet": round(ratio, 3),
         "run_ratio_vs_quiet": round(run_ratio, 3),
         "engine_ratio_vs_quiet": round(engine_ratio, 3),
+        **alone,
         "goal_met": ratio >= GOAL_RATIO,
         "abort_latency_ms_p50": round(statistics.median(lat_ms), 1),
         "abort_latency_ms_max": round(lat_ms[-1], 1),
@@ -387,7 +461,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"{report['churn_tok_s']} tok/s while {args.clients} clients dropped "
         f"{report['drops']} streams and were refused {report['refused']} times (ratio {ratio:.3f}, "
         f"goal >= {GOAL_RATIO}; {run_ratio:.3f} counting only the batch's time in the worker, "
-        f"{engine_ratio:.3f} per core-second the worker had); "
+        f"{engine_ratio:.3f} per core-second the worker had; the engine alone "
+        f"{alone['engine_alone_ratio']:.3f} with {alone['engine_alone_drops_per_s']:.0f} drops "
+        f"a second of {alone['engine_alone_tokens_per_drop']} tokens); "
         "abort latency "
         f"p50 {report['abort_latency_ms_p50']} ms, max {report['abort_latency_ms_max']} ms; "
         f"{report['churn_tokens_per_drop']} tokens generated per dropped stream (of "
