@@ -354,22 +354,31 @@ def engine_alone(model: Path, args: argparse.Namespace, cpus: set[int], rate: fl
     aborted once it has `keep` tokens (what a dropped stream generated there): what the churn
     costs the engine itself, without the worker's other threads and the API, the clients,
     Redis and PostgreSQL beside it."""
+    import torch
+
     from conveyor import LLM
 
-    others = os.sched_getaffinity(0)
+    others, threads = os.sched_getaffinity(0), torch.get_num_threads()
     os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))  # as the worker's OMP_NUM_THREADS
     try:
         llm = LLM(str(model), EngineConfig(urgent_share=args.urgent_share))
         llm.warm_up()
-        lines = batch_lines(args.requests, max_tokens=args.max_tokens)
-        prompts = [llm.apply_chat_template(line["body"]["messages"]) for line in lines]
         quiet = busy = 0.0
-        for _ in range(args.rounds):  # taking turns, as the service's runs do
-            quiet += engine_run(llm, prompts, args.max_tokens, 0.0, keep)
-            busy += engine_run(llm, prompts, args.max_tokens, rate, keep)
+        for i in range(args.rounds):  # taking turns, on lines of their own, as the service's
+            quiet += engine_run(llm, prompts(llm, f"quiet{i}", args), args.max_tokens, 0.0, keep)
+            churn = prompts(llm, f"churn{i}", args)
+            busy += engine_run(llm, churn, args.max_tokens, rate, keep)
     finally:
         os.sched_setaffinity(0, others)
+        torch.set_num_threads(threads)
     return quiet / busy
+
+
+def prompts(llm: Any, tag: str, args: argparse.Namespace) -> list[list[int]]:
+    """The prompts of the batch lines of the service's run `tag`, as its worker makes them."""
+    lines = batch_lines(args.requests, prefix=tag, max_tokens=args.max_tokens)
+    return [llm.apply_chat_template(line["body"]["messages"]) for line in lines]
 
 
 def engine_run(llm: Any, prompts: list, max_tokens: int, rate: float, keep: int) -> float:
