@@ -11,8 +11,6 @@ of FlashInfer and vLLM).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from conveyor.kernels.metadata import AttentionMetadata, BatchTables, CascadePlan, SharedPrefix
@@ -29,17 +27,18 @@ def plan_cascade(
     """Group the batch's sequences by the blocks their tables start with (a batch lists decodes,
     one query each, then prefill chunks). A group's prefix is the blocks every member's table
     starts with and every member's first query comes after, so each of its queries sees all of
-    it and no mask is needed."""
+    it and no mask is needed. Runs every step, so a batch with no such prefix (the common case:
+    prompts that share less than `MIN_BLOCKS` blocks) is found out cheaply."""
     d, query_start = len(batch.decode_tables), batch.query_start
     tables = batch.decode_tables + batch.prefill_tables
     counts = [1] * d + [b - a for a, b in zip(query_start, query_start[1:], strict=False)]
-    first_rows = list(range(d)) + [d + a for a in query_start[:-1]]
     lens = batch.decode_lens + batch.prefill_lens
     first_positions = [n - c for n, c in zip(lens, counts, strict=True)]
 
     groups: dict[int, list[int]] = {}
+    least = MIN_BLOCKS * block_size
     for i, table in enumerate(tables):
-        if first_positions[i] >= MIN_BLOCKS * block_size:
+        if first_positions[i] >= least:
             groups.setdefault(table[0], []).append(i)
     shared = [0] * len(tables)
     prefixes = []
@@ -47,13 +46,14 @@ def plan_cascade(
         if len(members) < MIN_SEQUENCES:
             continue
         whole = min(first_positions[i] for i in members) // block_size
-        common = os.path.commonprefix([tables[i][:whole] for i in members])
+        common = _common_blocks(tables, members, whole)
         if len(common) < MIN_BLOCKS:
             continue
         rows = []
         for i in members:
             shared[i] = len(common)
-            rows.extend(range(first_rows[i], first_rows[i] + counts[i]))
+            first_row = i if i < d else d + query_start[i - d]
+            rows.extend(range(first_row, first_row + counts[i]))
         prefixes.append(
             SharedPrefix(
                 torch.tensor(common, dtype=torch.long, device=device),
@@ -68,6 +68,23 @@ def plan_cascade(
         suffix_tables[:d], suffix_lens[:d], suffix_tables[d:], suffix_lens[d:], query_start
     )
     return CascadePlan(prefixes, AttentionMetadata.build(slot_mapping, suffix, device))
+
+
+def _common_blocks(tables: list[list[int]], members: list[int], whole: int) -> list[int]:
+    """The blocks, of the first `whole`, that the tables of all `members` start with; cut
+    short (and of no use) once fewer than `MIN_BLOCKS` are left."""
+    common = tables[members[0]][:whole]
+    for i in members[1:]:
+        table = tables[i]
+        if table[: len(common)] == common:
+            continue
+        same = 0
+        while same < len(common) and same < len(table) and table[same] == common[same]:
+            same += 1
+        common = common[:same]
+        if same < MIN_BLOCKS:
+            break
+    return common
 
 
 def merge_prefix(

@@ -4,6 +4,9 @@ it per sequence, through both CPU backends."""
 
 from __future__ import annotations
 
+import os
+import random
+
 import pytest
 import torch
 
@@ -69,6 +72,26 @@ def test_plan_leaves_small_groups_and_short_prefixes_alone() -> None:
         torch.device("cpu"),
     )
     assert plan is None
+
+
+def test_common_blocks_are_the_common_prefix_where_it_is_of_use() -> None:
+    """The early cut-off gives the tables' common prefix whenever that prefix is long enough to
+    share, and something too short to share whenever it is not."""
+    rng = random.Random(0)
+    for _ in range(500):
+        base = [rng.randrange(100) for _ in range(8)]
+        tables = [
+            base[: rng.choice([1, 2, 4, 5, 8])] + [100 + rng.randrange(5) for _ in range(3)]
+            for _ in range(rng.randrange(2, 9))
+        ]
+        members = list(range(len(tables)))
+        whole = rng.randrange(1, 9)
+        expected = os.path.commonprefix([t[:whole] for t in tables])
+        got = cascade_mod._common_blocks(tables, members, whole)
+        if len(expected) >= cascade_mod.MIN_BLOCKS:
+            assert got == expected
+        else:
+            assert len(got) < cascade_mod.MIN_BLOCKS
 
 
 def _step(lens_and_chunks, prefix_blocks: int, seed: int):
