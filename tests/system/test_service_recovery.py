@@ -97,8 +97,12 @@ def assert_each_once(api: str, batch: dict, lines: list[dict]) -> list[dict]:
 
 def test_two_batches_share_one_engine(stack: Stack, chat_model: Path, tmp_path: Path):
     api = stack.start_api()
-    a_lines = batch_lines(16, system="System prompt A: be brief.", prefix="a", max_tokens=24)
-    b_lines = batch_lines(16, system="System prompt B: be verbose.", prefix="b", max_tokens=24)
+    a_lines = batch_lines(16, system="System prompt A: be brief.", prefix="a", max_tokens=64)
+    b_lines = batch_lines(16, system="System prompt B: be verbose.", prefix="b", max_tokens=64)
+    # every line runs its full length (a random model can emit EOS at once): a batch whose
+    # lines all ended in a few steps could finish before the other's shards were claimed
+    for line in a_lines + b_lines:
+        line["body"]["ignore_eos"] = True
     a = submit(api, write_jsonl(tmp_path / "a.jsonl", a_lines))
     b = submit(api, write_jsonl(tmp_path / "b.jsonl", b_lines))
     stack.start_worker("w1", chat_model, "--concurrency", "4")  # both wait in its queue
