@@ -348,7 +348,9 @@ def engine_share(stack: Stack, seen: dict, args: argparse.Namespace, cpus: set[i
             "engine_alone_ratio": round(ratio, 3)}  # fmt: skip
 
 
-def engine_alone(model: Path, args: argparse.Namespace, cpus: set[int], rate: float, keep: int):
+def engine_alone(
+    model: Path, args: argparse.Namespace, cpus: set[int], rate: float, keep: int
+) -> float:
     """The ratio of the engine alone: the same batch, in this process on the worker's cores,
     quietly and with online streams arriving at `rate` a second (the service's drops), each
     aborted once it has `keep` tokens (what a dropped stream generated there): what the churn
@@ -381,14 +383,14 @@ def prompts(llm: Any, tag: str, args: argparse.Namespace) -> list[list[int]]:
     return [llm.apply_chat_template(line["body"]["messages"]) for line in lines]
 
 
-def engine_run(llm: Any, prompts: list, max_tokens: int, rate: float, keep: int) -> float:
+def engine_run(llm: Any, batch_prompts: list, max_tokens: int, rate: float, keep: int) -> float:
     """Seconds the engine takes to finish the batch while online streams arrive at `rate` a
     second (none at 0), each aborted once it has `keep` tokens."""
     batch = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     online = SamplingParams(max_tokens=STREAM_MAX_TOKENS, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate(batch_prompts):
         llm.add_request(f"batch-{i}", prompt, batch, priority=BATCH_PRIORITY)
-    left, streams = len(prompts), set()
+    left, streams = len(batch_prompts), set()
     started = next_at = time.perf_counter()
     while left:
         while rate and time.perf_counter() >= next_at:
