@@ -11,6 +11,8 @@ of FlashInfer and vLLM).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from conveyor.kernels.metadata import AttentionMetadata, BatchTables, CascadePlan, SharedPrefix
@@ -76,14 +78,10 @@ def _common_blocks(tables: list[list[int]], members: list[int], whole: int) -> l
     common = tables[members[0]][:whole]
     for i in members[1:]:
         table = tables[i]
-        if table[: len(common)] == common:
-            continue
-        same = 0
-        while same < len(common) and same < len(table) and table[same] == common[same]:
-            same += 1
-        common = common[:same]
-        if same < MIN_BLOCKS:
-            break
+        if table[: len(common)] != common:
+            common = os.path.commonprefix([common, table])
+            if len(common) < MIN_BLOCKS:
+                break
     return common
 
 
