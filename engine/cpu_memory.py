@@ -1,4 +1,5 @@
-"""Keep glibc from returning large freed buffers to the OS between forward passes.
+"""The CPU's memory: how much this process may use, and keeping glibc from returning large
+freed buffers to the OS between forward passes.
 
 By default glibc serves allocations above its mmap threshold (at most 32 MiB) with fresh
 mappings and unmaps them on free, so every forward pass page-faults its activations, logits and
@@ -12,7 +13,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 import platform
+from pathlib import Path
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -31,3 +34,13 @@ def reuse_large_allocations() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     return bool(mallopt(M_MMAP_THRESHOLD, THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, THRESHOLD))
+
+
+def total_memory_bytes() -> int:
+    """The memory this process may use: the machine's, or its cgroup's limit where lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total

@@ -1,16 +1,18 @@
 """Which dtype the engine computes in: `auto` is the checkpoint's dtype on CUDA (a float32 one,
 or one whose config names no dtype, computes in bfloat16, or float16 on a GPU without bfloat16:
-float32 would leave the tensor cores idle), bfloat16 on a CPU whose bfloat16 matrix products are
-fast (AMX or AVX512-BF16 instructions: several times float32's rate), and float32 on any other
-CPU."""
+float32 would leave the tensor cores idle), bfloat16 on a CPU whose bfloat16 matrix products
+outrun its float32 ones (AMX, or AVX512-BF16 on AMD), and float32 on any other CPU, unless a
+16-bit checkpoint's weights would fill more than half the memory in float32."""
 
 from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 
 import torch
+
+from conveyor.engine.cpu_memory import total_memory_bytes
+from conveyor.kernels import cpu_build
 
 log = logging.getLogger(__name__)
 
@@ -26,17 +28,19 @@ NAMES = {
 
 @functools.cache
 def cpu_has_fast_bfloat16() -> bool:
-    """True where the CPU multiplies bfloat16 matrices in hardware (AMX or AVX512-BF16)."""
-    cpu = torch.cpu
-    for check in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
-        probe = getattr(cpu, check, None)
-        if probe is not None and probe():
-            return True
-    try:  # older torch: the kernel's own word
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    """True where the CPU's bfloat16 matrix products outrun its float32 ones: on AMX's tiles,
+    or with AVX512-BF16 on AMD (Zen 4 and 5: oneDNN's bfloat16 products 2.2x its float32 rate).
+    Intel's AVX512-BF16 alone (Cooper Lake, or a VM that hides AMX) issues its dot product at
+    float32's multiply-add rate, and oneDNN's bfloat16 products ran at half its float32 rate
+    (168 against 315 GFLOP/s on an Emerald Rapids VM): float32 is the faster there."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    avx512_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    if amx is not None and avx512_bf16 is not None:
+        has_amx, has_avx512_bf16 = amx(), avx512_bf16()
+    else:  # older torch: the kernel's own word
+        flags = cpu_build.cpu_flags()
+        has_amx, has_avx512_bf16 = "amx_bf16" in flags, "avx512_bf16" in flags
+    return has_amx or (has_avx512_bf16 and cpu_build.cpu_vendor() == "AuthenticAMD")
 
 
 def cuda_has_bfloat16(device: torch.device) -> bool:
@@ -44,8 +48,12 @@ def cuda_has_bfloat16(device: torch.device) -> bool:
 
 
 def resolve_dtype(
-    dtype: str | torch.dtype, checkpoint_dtype: torch.dtype, device: torch.device
+    dtype: str | torch.dtype,
+    checkpoint_dtype: torch.dtype,
+    device: torch.device,
+    weight_bytes: int | None = None,
 ) -> torch.dtype:
+    """The dtype to compute in; `weight_bytes`: the checkpoint's weights on disk, if known."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -56,7 +64,25 @@ def resolve_dtype(
             log.info("dtype auto: a float32 checkpoint computes in %s on %s (--dtype float32 "
                      "keeps float32)", str(half).removeprefix("torch."), device)  # fmt: skip
             return half
-        return torch.bfloat16 if cpu_has_fast_bfloat16() else torch.float32
+        return _cpu_auto(checkpoint_dtype, weight_bytes)
     if dtype not in NAMES:
         raise ValueError(f"dtype must be auto or one of {', '.join(NAMES)}, got {dtype!r}")
     return NAMES[dtype]
+
+
+def _cpu_auto(checkpoint_dtype: torch.dtype, weight_bytes: int | None) -> torch.dtype:
+    if cpu_has_fast_bfloat16():
+        return torch.bfloat16
+    if checkpoint_dtype in (torch.bfloat16, torch.float16) and weight_bytes is not None:
+        # float32 doubles a 16-bit checkpoint's weights: past half the memory, loading would
+        # leave too little for the KV cache and the step, or fail
+        memory = total_memory_bytes()
+        if 2 * weight_bytes > memory // 2:
+            log.warning(
+                "dtype auto: this CPU computes fastest in float32, but the weights would take "
+                "%.1f GiB of %.1f GiB of memory in it; computing in %s (--dtype float32 "
+                "forces float32)", 2 * weight_bytes / 2**30, memory / 2**30,
+                str(checkpoint_dtype).removeprefix("torch."),
+            )  # fmt: skip
+            return checkpoint_dtype
+    return torch.float32

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ import torch
 from conveyor.engine.block_manager import BlockManager
 from conveyor.engine.chat_template import ChatTemplate, tool_call_parser_of
 from conveyor.engine.config import EngineConfig
-from conveyor.engine.cpu_memory import reuse_large_allocations
+from conveyor.engine.cpu_memory import reuse_large_allocations, total_memory_bytes
 from conveyor.engine.cuda_graphs import cuda_capture
 from conveyor.engine.device_plan import DevicePlan, plan_device
 from conveyor.engine.dtypes import resolve_dtype
@@ -29,6 +28,7 @@ from conveyor.engine.errors import (
 from conveyor.engine.fingerprint import engine_version, model_fingerprint
 from conveyor.engine.kv_layout import KVLayout
 from conveyor.engine.loader import (
+    checkpoint_files,
     config_dtype,
     default_sampling,
     eos_token_ids,
@@ -158,7 +158,10 @@ class LLMEngine:
         self.model_path = path
         hf_config = load_config(path)
         self.config = hf_config  # the model's; the engine's own is self.engine_config
-        self.dtype = resolve_dtype(self.engine_config.dtype, config_dtype(hf_config), self.device)
+        weight_bytes = sum(f.stat().st_size for f in checkpoint_files(path))
+        self.dtype = resolve_dtype(
+            self.engine_config.dtype, config_dtype(hf_config), self.device, weight_bytes
+        )
         self.tokenizer = load_tokenizer(path)
         self.eos_token_ids = eos_token_ids(path, hf_config, self.tokenizer)
         c = self.engine_config
@@ -285,8 +288,7 @@ class LLMEngine:
 
     def _budget_blocks(self, kv_bytes: int | None, per_block: int) -> int:
         if kv_bytes is None:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            kv_bytes = min(DEFAULT_CPU_KV_CACHE_BYTES, total // 5)
+            kv_bytes = min(DEFAULT_CPU_KV_CACHE_BYTES, total_memory_bytes() // 5)
         blocks = kv_bytes // per_block
         if blocks < 1:
             raise ValueError(

@@ -51,6 +51,17 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor as the kernel reports it ("GenuineIntel", "AuthenticAMD"; "" unknown)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    line = next((x for x in text.splitlines() if x.startswith("vendor_id")), "")
+    return line.partition(":")[2].strip()
+
+
 def cpu_has_avx512_bf16() -> bool:
     return {"avx512_bf16", "avx512bw"} <= cpu_flags()
 

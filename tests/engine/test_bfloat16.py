@@ -56,6 +56,45 @@ def test_auto_is_bfloat16_exactly_where_the_cpu_has_fast_bfloat16(monkeypatch):
     assert dtypes.resolve_dtype("float32", torch.float32, cuda) == torch.float32
 
 
+@pytest.mark.parametrize(
+    ("amx", "avx512_bf16", "vendor", "fast"),
+    [
+        (True, True, "GenuineIntel", True),  # Sapphire Rapids and later
+        (False, True, "AuthenticAMD", True),  # Zen 4 and 5
+        (False, True, "GenuineIntel", False),  # Cooper Lake, or AMX hidden by a VM
+        (False, False, "GenuineIntel", False),
+        (False, False, "AuthenticAMD", False),
+    ],
+)
+def test_bfloat16_is_fast_where_its_products_outrun_float32(
+    monkeypatch, amx, avx512_bf16, vendor, fast
+):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(cpu_build, "cpu_vendor", lambda: vendor)
+    dtypes.cpu_has_fast_bfloat16.cache_clear()
+    try:
+        assert dtypes.cpu_has_fast_bfloat16() is fast
+    finally:
+        dtypes.cpu_has_fast_bfloat16.cache_clear()
+
+
+def test_auto_keeps_a_16_bit_checkpoint_that_float32_would_not_fit(monkeypatch, caplog):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(dtypes, "cpu_has_fast_bfloat16", lambda: False)
+    monkeypatch.setattr(dtypes, "total_memory_bytes", lambda: 16 * 2**30)
+    small, large = 2 * 2**30, 5 * 2**30  # 4 and 10 GiB in float32, of 16
+    assert dtypes.resolve_dtype("auto", torch.bfloat16, cpu, small) == torch.float32
+    with caplog.at_level("WARNING", logger="conveyor.engine.dtypes"):
+        assert dtypes.resolve_dtype("auto", torch.bfloat16, cpu, large) == torch.bfloat16
+    assert "10.0 GiB of 16.0 GiB" in caplog.text
+    assert dtypes.resolve_dtype("auto", torch.float16, cpu, large) == torch.float16
+    assert dtypes.resolve_dtype("auto", torch.float32, cpu, 2 * large) == torch.float32
+    assert dtypes.resolve_dtype("float32", torch.bfloat16, cpu, large) == torch.float32
+    monkeypatch.setattr(dtypes, "cpu_has_fast_bfloat16", lambda: True)
+    assert dtypes.resolve_dtype("auto", torch.bfloat16, cpu, small) == torch.bfloat16
+
+
 def test_a_cuda_device_with_no_gpu_is_refused_naming_why(monkeypatch):
     from conveyor.engine.llm_engine import _resolve_device
 
