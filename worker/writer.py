@@ -14,6 +14,7 @@ request's error line (`internal_error`), written so that it always stores.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import queue
@@ -38,6 +39,14 @@ from conveyor.wire_format.text import unstorable
 log = logging.getLogger(__name__)
 
 
+class Closer(enum.Enum):
+    """Who closes a running shard, settled under `PendingResults`' lock."""
+
+    WRITER = "writer"  # the writer, in the commit of the shard's last results
+    WRITER_NOW = "writer now"  # the writer is committing those results: too late to take over
+    TASK = "task"  # the shard's task, which stopped early (`take_over`)
+
+
 class PendingResults:
     """A running shard's results not yet committed.
 
@@ -51,8 +60,7 @@ class PendingResults:
     def __init__(self, shard_id: int, batch_id: str, n: int) -> None:
         self.shard_id, self.batch_id = shard_id, batch_id
         self.left = n
-        self.writer_closes = True
-        self.closing = False  # the writer is committing the last results and closes the shard
+        self.closer = Closer.WRITER
         self.cond = threading.Condition()
 
     def committed(self, n: int) -> None:
@@ -70,17 +78,20 @@ class PendingResults:
         """The shard's task closes the shard itself; False when that is too late: the writer
         is committing the shard's last results and closes it."""
         with self.cond:
-            if self.closing:
+            if self.closer is Closer.WRITER_NOW:
                 return False
-            self.writer_closes = False
+            self.closer = Closer.TASK
             return True
 
     def close_with(self, n: int) -> bool:
         """Whether the writer closes the shard in the commit of these `n` results: they are
-        its last, and its task has not taken the close over."""
+        its last, and its task has not taken the close over. A commit that fails is split and
+        retried, so a later call with fewer rows hands the close back to a later commit."""
         with self.cond:
-            self.closing = self.writer_closes and self.left == n
-            return self.closing
+            if self.closer is Closer.TASK:
+                return False
+            self.closer = Closer.WRITER_NOW if self.left == n else Closer.WRITER
+            return self.closer is Closer.WRITER_NOW
 
 
 @dataclass

@@ -57,3 +57,23 @@ def test_a_run_whose_last_commit_completes_the_batch_is_done(database_url, redis
         # the heartbeat did run during the hold: it is what read the batch completed
         assert shard.heartbeat_at is not None
     ledger.dispose()
+
+
+def test_who_closes_a_shard_is_settled_once():
+    from conveyor.worker.writer import PendingResults
+
+    # the task stops before the last results reach the writer: the task closes the shard
+    shard = PendingResults(1, "batch_x", 3)
+    assert shard.take_over()
+    assert not shard.close_with(3)
+    # the writer commits the last results: too late for the task to take over
+    shard = PendingResults(2, "batch_x", 3)
+    shard.committed(1)
+    assert not shard.close_with(1)  # not the last: the task may still take over
+    assert shard.close_with(2)
+    assert not shard.take_over()
+    # that commit failed and is split: its first half closes nothing, so the task may
+    shard.committed(0)
+    assert not shard.close_with(1)
+    assert shard.take_over()
+    assert not shard.close_with(2)
