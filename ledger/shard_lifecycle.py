@@ -212,9 +212,12 @@ def give_back_attempt(session: Session, shard_id: int) -> None:
 
 
 def shard_heartbeat(session: Session, shard_id: int) -> str | None:
-    """Touch a running shard; returns its batch's status so the worker can stop early."""
+    """Touch a running shard; returns its batch's status so the worker can stop early. A
+    heartbeat that arrives after its run closed the shard touches nothing."""
     session.execute(
-        update(ShardRow).where(ShardRow.id == shard_id).values(heartbeat_at=time.time())
+        update(ShardRow)
+        .where(ShardRow.id == shard_id, ShardRow.status == ShardStatus.RUNNING)
+        .values(heartbeat_at=time.time())
     )
     return session.execute(
         select(BatchRow.status)

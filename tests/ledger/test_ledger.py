@@ -233,6 +233,22 @@ def test_a_shard_runs_to_the_end_of_its_batch(any_ledger: Ledger):
         )  # a finished batch runs nothing
 
 
+def test_a_heartbeat_touches_only_a_running_shard(any_ledger: Ledger):
+    batch_id, [(shard_id, _, _)] = make_batch(any_ledger, batch_lines(2), shard_size=2)
+    with any_ledger.session() as session:
+        claim = shard_lifecycle.claim_shard(session, shard_id, "w1")
+        session.get(ShardRow, shard_id).heartbeat_at = 1.0
+    with any_ledger.session() as session:
+        assert shard_lifecycle.shard_heartbeat(session, shard_id) == "in_progress"
+        assert session.get(ShardRow, shard_id).heartbeat_at > 1.0
+        results.record_results(session, [result_row(batch_id, r[0]) for r in claim.requests])
+        shard_lifecycle.close_shards(session, [(shard_id, batch_id)], 60)
+    with any_ledger.session() as session:  # a late heartbeat of the run that closed it
+        assert shard_lifecycle.shard_heartbeat(session, shard_id) == "completed"
+        shard = session.get(ShardRow, shard_id)
+        assert (shard.status, shard.heartbeat_at) == ("done", None)
+
+
 def test_a_cancelled_batch_gives_no_shard_to_run(any_ledger: Ledger):
     batch_id, shards = make_batch(any_ledger, batch_lines(4), shard_size=4)
     with any_ledger.session() as session:
