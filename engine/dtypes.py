@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -32,7 +33,7 @@ def cpu_has_fast_bfloat16() -> bool:
     or with AVX512-BF16 on AMD (Zen 4 and 5: oneDNN's bfloat16 products 2.2x its float32 rate).
     Intel's AVX512-BF16 alone (Cooper Lake, or a VM that hides AMX) issues its dot product at
     float32's multiply-add rate, and oneDNN's bfloat16 products ran at half its float32 rate
-    (168 against 315 GFLOP/s on an Emerald Rapids VM): float32 is the faster there."""
+    (168 against 315 GFLOP/s on an Emerald Rapids VM): float32 is the faster of the two there."""
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
     avx512_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
     if amx is not None and avx512_bf16 is not None:
@@ -51,9 +52,10 @@ def resolve_dtype(
     dtype: str | torch.dtype,
     checkpoint_dtype: torch.dtype,
     device: torch.device,
-    weight_bytes: int | None = None,
+    float32_bytes: Callable[[], int] | None = None,
 ) -> torch.dtype:
-    """The dtype to compute in; `weight_bytes`: the checkpoint's weights on disk, if known."""
+    """The dtype to compute in; `float32_bytes`, if given, tells what the checkpoint's weights
+    would take in float32 (read only where that decides)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -64,24 +66,26 @@ def resolve_dtype(
             log.info("dtype auto: a float32 checkpoint computes in %s on %s (--dtype float32 "
                      "keeps float32)", str(half).removeprefix("torch."), device)  # fmt: skip
             return half
-        return _cpu_auto(checkpoint_dtype, weight_bytes)
+        return _cpu_auto(checkpoint_dtype, float32_bytes)
     if dtype not in NAMES:
         raise ValueError(f"dtype must be auto or one of {', '.join(NAMES)}, got {dtype!r}")
     return NAMES[dtype]
 
 
-def _cpu_auto(checkpoint_dtype: torch.dtype, weight_bytes: int | None) -> torch.dtype:
+def _cpu_auto(
+    checkpoint_dtype: torch.dtype, float32_bytes: Callable[[], int] | None
+) -> torch.dtype:
     if cpu_has_fast_bfloat16():
         return torch.bfloat16
-    if checkpoint_dtype in (torch.bfloat16, torch.float16) and weight_bytes is not None:
+    if checkpoint_dtype in (torch.bfloat16, torch.float16) and float32_bytes is not None:
         # float32 doubles a 16-bit checkpoint's weights: past half the memory, loading would
         # leave too little for the KV cache and the step, or fail
-        memory = total_memory_bytes()
-        if 2 * weight_bytes > memory // 2:
+        needed, memory = float32_bytes(), total_memory_bytes()
+        if needed > memory // 2:
             log.warning(
                 "dtype auto: this CPU computes fastest in float32, but the weights would take "
                 "%.1f GiB of %.1f GiB of memory in it; computing in %s (--dtype float32 "
-                "forces float32)", 2 * weight_bytes / 2**30, memory / 2**30,
+                "forces float32)", needed / 2**30, memory / 2**30,
                 str(checkpoint_dtype).removeprefix("torch."),
             )  # fmt: skip
             return checkpoint_dtype

@@ -28,10 +28,10 @@ from conveyor.engine.errors import (
 from conveyor.engine.fingerprint import engine_version, model_fingerprint
 from conveyor.engine.kv_layout import KVLayout
 from conveyor.engine.loader import (
-    checkpoint_files,
     config_dtype,
     default_sampling,
     eos_token_ids,
+    float32_weight_bytes,
     load_config,
     load_model,
     load_tokenizer,
@@ -158,10 +158,10 @@ class LLMEngine:
         self.model_path = path
         hf_config = load_config(path)
         self.config = hf_config  # the model's; the engine's own is self.engine_config
-        weight_bytes = sum(f.stat().st_size for f in checkpoint_files(path))
         self.dtype = resolve_dtype(
-            self.engine_config.dtype, config_dtype(hf_config), self.device, weight_bytes
-        )
+            self.engine_config.dtype, config_dtype(hf_config), self.device,
+            lambda: float32_weight_bytes(path),
+        )  # fmt: skip
         self.tokenizer = load_tokenizer(path)
         self.eos_token_ids = eos_token_ids(path, hf_config, self.tokenizer)
         c = self.engine_config

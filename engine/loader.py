@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -179,6 +180,20 @@ def checkpoint_files(path: Path) -> list[Path]:
     if not files:
         raise ValueError(f"no *.safetensors weights in {path}")
     return files
+
+
+def float32_weight_bytes(path: Path) -> int:
+    """What the checkpoint's weights take in a float32 model: 4 bytes a value, but 2 for a
+    mixture of experts' bfloat16 experts, which such a model keeps in bfloat16
+    (`_hold_bfloat16_experts`). Read from the files' headers alone."""
+    total = 0
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                tensor = f.get_slice(name)
+                held = ".experts." in name and tensor.get_dtype() == "BF16"
+                total += math.prod(tensor.get_shape()) * (2 if held else 4)
+    return total
 
 
 def load_weights(model: DecoderForCausalLM, path: Path, multimodal: bool = False) -> None:

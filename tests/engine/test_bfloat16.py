@@ -83,16 +83,35 @@ def test_auto_keeps_a_16_bit_checkpoint_that_float32_would_not_fit(monkeypatch, 
     cpu = torch.device("cpu")
     monkeypatch.setattr(dtypes, "cpu_has_fast_bfloat16", lambda: False)
     monkeypatch.setattr(dtypes, "total_memory_bytes", lambda: 16 * 2**30)
-    small, large = 2 * 2**30, 5 * 2**30  # 4 and 10 GiB in float32, of 16
-    assert dtypes.resolve_dtype("auto", torch.bfloat16, cpu, small) == torch.float32
+    fits, too_big = (lambda: 4 * 2**30), (lambda: 10 * 2**30)  # in float32, of 16 GiB
+    assert dtypes.resolve_dtype("auto", torch.bfloat16, cpu, fits) == torch.float32
     with caplog.at_level("WARNING", logger="conveyor.engine.dtypes"):
-        assert dtypes.resolve_dtype("auto", torch.bfloat16, cpu, large) == torch.bfloat16
+        assert dtypes.resolve_dtype("auto", torch.bfloat16, cpu, too_big) == torch.bfloat16
     assert "10.0 GiB of 16.0 GiB" in caplog.text
-    assert dtypes.resolve_dtype("auto", torch.float16, cpu, large) == torch.float16
-    assert dtypes.resolve_dtype("auto", torch.float32, cpu, 2 * large) == torch.float32
-    assert dtypes.resolve_dtype("float32", torch.bfloat16, cpu, large) == torch.float32
+    assert dtypes.resolve_dtype("auto", torch.float16, cpu, too_big) == torch.float16
+    assert dtypes.resolve_dtype("auto", torch.float32, cpu, too_big) == torch.float32
+    assert dtypes.resolve_dtype("float32", torch.bfloat16, cpu, too_big) == torch.float32
     monkeypatch.setattr(dtypes, "cpu_has_fast_bfloat16", lambda: True)
-    assert dtypes.resolve_dtype("auto", torch.bfloat16, cpu, small) == torch.bfloat16
+    assert dtypes.resolve_dtype("auto", torch.bfloat16, cpu, too_big) == torch.bfloat16
+
+
+def test_a_float32_model_of_a_bfloat16_checkpoint_counts_its_experts_at_2_bytes(tmp_path):
+    from safetensors.torch import save_file
+
+    from conveyor.engine.loader import float32_weight_bytes
+
+    save_file(
+        {
+            "model.embed_tokens.weight": torch.zeros(10, 4, dtype=torch.bfloat16),
+            "model.layers.0.mlp.experts.0.up_proj.weight": torch.zeros(6, 4, dtype=torch.bfloat16),
+            "model.layers.0.mlp.shared_expert.up_proj.weight": torch.zeros(
+                6, 4, dtype=torch.bfloat16
+            ),
+            "model.norm.weight": torch.zeros(4, dtype=torch.float32),
+        },
+        tmp_path / "model.safetensors",
+    )
+    assert float32_weight_bytes(tmp_path) == 40 * 4 + 24 * 2 + 24 * 4 + 4 * 4
 
 
 def test_a_cuda_device_with_no_gpu_is_refused_naming_why(monkeypatch):
