@@ -296,13 +296,16 @@ class Throughput(BaseModel):
 
 class EnginePlan(BaseModel):
     """How a worker's engine runs each piece on its device, chosen once at start (see the
-    engine's `device_plan`): attention, elementwise (norms, rope, activation), projections,
-    CUDA graphs for decode steps (`off (why)` when not), a mixture-of-experts model's experts
-    (`none` for a dense model), how sampled tokens are drawn; `reasons` says why a piece is not
-    the fastest kind."""
+    engine's `device_plan`): the dtype it computes in, attention, elementwise (norms, rope,
+    activation), projections, CUDA graphs for decode steps (`off (why)` when not), a
+    mixture-of-experts model's experts (`none` for a dense model), how sampled tokens are
+    drawn; `reasons` says why a piece is not the fastest kind."""
 
     device: str
     capability: str
+    dtype: str | None = Field(
+        default=None, description="what the engine computes in (none: a worker of an older version)"
+    )
     attention: str
     elementwise: str
     projections: str

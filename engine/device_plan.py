@@ -44,6 +44,7 @@ SAMPLING = ("auto", NATIVE, TORCH)
 class DevicePlan:
     device: str
     capability: str  # "cuda sm_90" or the CPU's instruction sets
+    dtype: str  # what the engine computes in ("auto" resolved: `engine.dtypes`)
     attention: str  # a kernels.selector backend name
     elementwise: str  # triton, native, compiled or eager
     projections: str  # onednn or plain
@@ -56,7 +57,8 @@ class DevicePlan:
     reasons: dict[str, str] = field(default_factory=dict)  # piece -> why it is not the fastest
 
     def describe(self) -> str:
-        pieces = [f"attention {self.attention}", f"elementwise {self.elementwise}",
+        pieces = [f"dtype {self.dtype}", f"attention {self.attention}",
+                  f"elementwise {self.elementwise}",
                   f"projections {self.projections}", f"graphs {self.graphs}"]  # fmt: skip
         if self.experts != "none":
             pieces.append(f"experts {self.experts}")
@@ -116,7 +118,8 @@ def plan_device(
     else:
         experts = "none"
     sampling = _sampling(device, sampling, reasons)
-    return DevicePlan(str(device), _capability(device), attention, elementwise, projections,
+    return DevicePlan(str(device), _capability(device), _name(dtype), attention, elementwise,
+                      projections,
                       experts=experts, sampling=sampling, reasons=reasons)  # fmt: skip
 
 

@@ -203,7 +203,9 @@ class LLMEngine:
             "conveyor": engine_version(),
             "dtype": str(self.dtype),
             "device": self.device.type,
-            "plan": self.plan.as_dict(),
+            # the dtype is above; out of the plan's entry, so that the hash stays what it was
+            # before the plan named it
+            "plan": {k: v for k, v in self.plan.as_dict().items() if k != "dtype"},
             "batch_invariant": c.batch_invariant,
             "sampling": draw_label(self.plan.sampling),
             "generation_config": c.generation_config,

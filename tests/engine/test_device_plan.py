@@ -126,6 +126,8 @@ def test_the_engine_runs_its_plan_and_the_worker_reports_it(checkpoints):
     shown = _worker(row, running_shards=0)
     assert shown.plan is not None and shown.plan.elementwise == llm.plan.elementwise
     assert shown.plan.attention == "torch"
+    assert shown.plan.dtype == str(llm.dtype).removeprefix("torch.")
+    assert f"dtype {shown.plan.dtype}, attention torch" in llm.plan.describe()
 
 
 def test_nothing_else_branches_on_a_backend_name():
