@@ -212,7 +212,7 @@ def reuse_key(prepared: PreparedLine) -> str | None:
         "url": parsed.url,
         "model": parsed.model,
         "prompt": _as_given(prepared.prompt),
-        "sampling": dataclasses.asdict(params),
+        "sampling": _sampling_fields(params),
         "echo": parsed.echo,
         "drop_generation": parsed.drop_generation,
         "top_logprobs": parsed.top_logprobs,
@@ -223,6 +223,17 @@ def reuse_key(prepared: PreparedLine) -> str | None:
     }
     text = json.dumps(shape, sort_keys=True, separators=(",", ":"), default=_plain)
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _sampling_fields(params: SamplingParams) -> dict[str, Any]:
+    """`dataclasses.asdict(params)` as JSON writes it, without its deep copy of every value
+    (a tenth of a chat line's preparation)."""
+    values = {name: getattr(params, name) for name in _SAMPLING_FIELDS}
+    nested = dataclasses.is_dataclass
+    return {k: dataclasses.asdict(v) if nested(v) else v for k, v in values.items()}
+
+
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def _as_given(prompt: Prompt) -> str | list[int]:

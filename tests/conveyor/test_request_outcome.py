@@ -120,3 +120,32 @@ def test_a_reuse_key_is_exact_and_blind_to_spelling():
     assert key_of({**greedy, "temperature": 0.7}) is None
     seeded = key_of({**greedy, "temperature": 0.7, "seed": 1})
     assert seeded is not None and seeded != key_of({**greedy, "temperature": 0.7, "seed": 2})
+
+
+def test_a_reuse_key_is_the_one_keys_were_made_with():
+    """Keys stored by earlier versions hold the sampling settings as `dataclasses.asdict`
+    wrote them: the faster form must give the same text, nested settings and all."""
+    import dataclasses
+
+    from conveyor.request_outcome import _sampling_fields
+
+    bodies = [
+        {"temperature": 0},
+        {"temperature": 0.5, "seed": 7, "stop": ["a", "b"], "logit_bias": {"5": 2.0, "3": -1}},
+        {"temperature": 0, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string"}}}}}},
+        {"temperature": 0, "logprobs": 2, "max_tokens": 5, "presence_penalty": 0.5},
+    ]  # fmt: skip
+    for body in bodies:
+        line = {**LINE, "body": {"model": "m", "prompt": "hi", **body}}
+        prepared = prepare_line(Engine(), json.dumps(line), 1, "b:1", parse)
+        assert isinstance(prepared, PreparedLine), prepared
+        params = prepared.params
+        fast, slow = _sampling_fields(params), dataclasses.asdict(params)
+        assert json.dumps(fast, sort_keys=True) == json.dumps(slow, sort_keys=True)
+    assert params.logprobs == 2
+    structured = prepare_line(
+        Engine(), json.dumps({**LINE, "body": {"model": "m", "prompt": "hi", **bodies[2]}}), 1,
+        "b:1", parse,
+    )  # fmt: skip
+    assert dataclasses.is_dataclass(structured.params.structured_outputs)
