@@ -36,11 +36,14 @@ def reuse_large_allocations() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, THRESHOLD))
 
 
+CGROUP_MEMORY_MAX = Path("/sys/fs/cgroup/memory.max")  # cgroup v2: bytes, or "max"
+
+
 def total_memory_bytes() -> int:
     """The memory this process may use: the machine's, or its cgroup's limit where lower."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        limit = CGROUP_MEMORY_MAX.read_text().strip()
     except OSError:
         return total
     return min(total, int(limit)) if limit.isdigit() else total

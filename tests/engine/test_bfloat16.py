@@ -258,3 +258,17 @@ def test_after_warm_up_no_step_compiles_again(checkpoints):
     llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
     llm.generate(prompts[:1], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_the_memory_a_process_may_use_is_its_cgroups_limit_where_lower(monkeypatch, tmp_path):
+    import os
+
+    from conveyor.engine import cpu_memory
+
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = tmp_path / "memory.max"
+    monkeypatch.setattr(cpu_memory, "CGROUP_MEMORY_MAX", limit)
+    assert cpu_memory.total_memory_bytes() == machine  # no cgroup file
+    for text, want in (("max\n", machine), (f"{2**30}\n", 2**30), (f"{2 * machine}", machine)):
+        limit.write_text(text)
+        assert cpu_memory.total_memory_bytes() == want, text
