@@ -58,8 +58,8 @@ class DevicePlan:
 
     def describe(self) -> str:
         pieces = [f"dtype {self.dtype}", f"attention {self.attention}",
-                  f"elementwise {self.elementwise}",
-                  f"projections {self.projections}", f"graphs {self.graphs}"]  # fmt: skip
+                  f"elementwise {self.elementwise}", f"projections {self.projections}",
+                  f"graphs {self.graphs}"]  # fmt: skip
         if self.experts != "none":
             pieces.append(f"experts {self.experts}")
         pieces.append(f"sampling {self.sampling}")
@@ -119,8 +119,8 @@ def plan_device(
         experts = "none"
     sampling = _sampling(device, sampling, reasons)
     return DevicePlan(str(device), _capability(device), _name(dtype), attention, elementwise,
-                      projections,
-                      experts=experts, sampling=sampling, reasons=reasons)  # fmt: skip
+                      projections, experts=experts, sampling=sampling,
+                      reasons=reasons)  # fmt: skip
 
 
 def _experts(
