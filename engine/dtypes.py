@@ -39,8 +39,7 @@ def cpu_has_fast_bfloat16() -> bool:
     if amx is not None and avx512_bf16 is not None:
         has_amx, has_avx512_bf16 = amx(), avx512_bf16()
     else:  # older torch: the kernel's own word
-        flags = cpu_build.cpu_flags()
-        has_amx, has_avx512_bf16 = "amx_bf16" in flags, "avx512_bf16" in flags
+        has_amx, has_avx512_bf16 = cpu_build.cpu_has_amx_bf16(), cpu_build.cpu_has_avx512_bf16()
     return has_amx or (has_avx512_bf16 and cpu_build.cpu_vendor() == "AuthenticAMD")
 
 

@@ -41,25 +41,25 @@ def cxx() -> str | None:
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's instruction-set flags as the kernel reports them (none where it does not)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
-
-
-@functools.cache
-def cpu_vendor() -> str:
-    """The CPU's vendor as the kernel reports it ("GenuineIntel", "AuthenticAMD"; "" unknown)."""
+def _cpuinfo(field: str) -> str:
+    """The first CPU's `field` in /proc/cpuinfo ("" where the kernel gives none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return ""
-    line = next((x for x in text.splitlines() if x.startswith("vendor_id")), "")
+    line = next((x for x in text.splitlines() if x.startswith(field)), "")
     return line.partition(":")[2].strip()
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's instruction-set flags as the kernel reports them (none where it does not)."""
+    return frozenset(_cpuinfo("flags").split())
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor as the kernel reports it ("GenuineIntel", "AuthenticAMD"; "" unknown)."""
+    return _cpuinfo("vendor_id")
 
 
 def cpu_has_avx512_bf16() -> bool:

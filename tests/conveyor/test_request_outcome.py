@@ -136,6 +136,7 @@ def test_a_reuse_key_is_the_one_keys_were_made_with():
             "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string"}}}}}},
         {"temperature": 0, "logprobs": 2, "max_tokens": 5, "presence_penalty": 0.5},
     ]  # fmt: skip
+    made = []
     for body in bodies:
         line = {**LINE, "body": {"model": "m", "prompt": "hi", **body}}
         prepared = prepare_line(Engine(), json.dumps(line), 1, "b:1", parse)
@@ -143,9 +144,6 @@ def test_a_reuse_key_is_the_one_keys_were_made_with():
         params = prepared.params
         fast, slow = _sampling_fields(params), dataclasses.asdict(params)
         assert json.dumps(fast, sort_keys=True) == json.dumps(slow, sort_keys=True)
-    assert params.logprobs == 2
-    structured = prepare_line(
-        Engine(), json.dumps({**LINE, "body": {"model": "m", "prompt": "hi", **bodies[2]}}), 1,
-        "b:1", parse,
-    )  # fmt: skip
-    assert dataclasses.is_dataclass(structured.params.structured_outputs)
+        made.append(params)
+    assert made[3].logprobs == 2
+    assert dataclasses.is_dataclass(made[2].structured_outputs)
