@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conveyor.wire_format.errors import (
@@ -20,6 +21,8 @@ from conveyor.wire_format.errors import (
 )
 
 log = logging.getLogger(__name__)
+
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
 
 
 class APIError(Exception):
@@ -76,11 +79,14 @@ def install(app: FastAPI) -> None:
         )
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        headers = getattr(err, "headers", None)
+        if err.status_code == 405:  # Starlette's names one route's methods: the path's are wanted
+            headers = {**(headers or {}), "Allow": ", ".join(_methods_of(request))}
         return JSONResponse(
-            _body(str(err.detail), "invalid_request_error"),
+            _body(_http_message(request, err, headers), "invalid_request_error"),
             err.status_code,
-            headers=getattr(err, "headers", None),
+            headers=headers,
         )
 
     @app.exception_handler(OperationalError)
@@ -97,6 +103,33 @@ def install(app: FastAPI) -> None:
         )
 
     app.add_middleware(UnexpectedErrors)
+
+
+def _http_message(
+    request: Request, err: StarletteHTTPException, headers: dict[str, str] | None
+) -> str:
+    """The router's "Not Found" and "Method Not Allowed" in words a client can act on: the
+    method and path it sent (as OpenAI's "Invalid URL (POST /v1/...)"), and the methods the
+    path takes."""
+    sent = f"{request.method} {request.url.path}"
+    if err.status_code == 404 and err.detail == "Not Found":
+        return f"Invalid URL ({sent}): this server has no such endpoint (/docs lists those it has)"
+    if err.status_code == 405 and err.detail == "Method Not Allowed":
+        allowed = (headers or {}).get("Allow")
+        takes = f": {request.url.path} takes {allowed}" if allowed else ""
+        return f"Method not allowed ({sent}){takes}"
+    return str(err.detail)
+
+
+def _methods_of(request: Request) -> list[str]:
+    """Every method some route of the app takes at the request's path (a path can be served by
+    several routes, one a method: Starlette's 405 names only the first's)."""
+    routes = request.app.router.routes
+    return [
+        method
+        for method in HTTP_METHODS
+        if any(r.matches({**request.scope, "method": method})[0] == Match.FULL for r in routes)
+    ]
 
 
 class UnexpectedErrors:

@@ -554,6 +554,20 @@ def test_unknown_route_is_404_in_openai_shape(api: str):
     assert_error(httpx.delete(f"{api}/v1/batches"), 405)
 
 
+def test_an_endpoint_the_api_lacks_is_named_with_its_method(api: str):
+    """An endpoint Conveyor does not serve (embeddings) or a method a path does not take says
+    which request was wrong, as OpenAI's "Invalid URL (POST /v1/...)" does: "Not Found" alone
+    leaves a client's user guessing whether the server, the model or the path is missing."""
+    error = assert_error(httpx.post(f"{api}/v1/embeddings", json={"input": "x"}), 404)
+    assert error["message"].startswith("Invalid URL (POST /v1/embeddings)"), error
+    r = httpx.delete(f"{api}/v1/batches")
+    error = assert_error(r, 405)
+    assert error["message"] == (
+        f"Method not allowed (DELETE /v1/batches): /v1/batches takes {r.headers['allow']}"
+    ), error
+    assert "POST" in r.headers["allow"] and "GET" in r.headers["allow"]
+
+
 def test_create_batch_from_a_missing_file(api: str):
     error = assert_error(create_batch(api, "file-does-not-exist"), 404, "not_found")
     assert "file-does-not-exist" in error["message"]
