@@ -35,6 +35,9 @@ def resolve_model_path(model: str) -> Path:
         return path
     if path.exists():
         raise ValueError(f"model {model!r} is a file; pass the checkpoint's directory")
+    # a hub id is "name" or "owner/name": anything else can only have meant a directory
+    if model.startswith(("/", ".", "~")) or model.count("/") > 1:
+        raise ValueError(f"model directory {model!r} does not exist")
     from huggingface_hub import snapshot_download
 
     try:

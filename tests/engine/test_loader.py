@@ -47,7 +47,16 @@ def test_unsupported_architecture(checkpoints, tmp_path):
 def test_unknown_model_name_fails_clearly(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="neither a local directory nor a reachable hub"):
-        LLM(str(tmp_path / "no-such-model"), dtype="float32", device="cpu")
+        LLM("nobody-at-all/no-such-model", dtype="float32", device="cpu")
+
+
+@pytest.mark.parametrize("name", ["/abs/no-such-model", "./no-such-model", "a/b/no-such-model"])
+def test_a_missing_directory_is_not_looked_up_on_the_hub(monkeypatch, tmp_path, name):
+    """A path no hub id can be ("owner/name" at most) names a missing directory in so many
+    words, not with the hub client's complaint about repository ids."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=f"^model directory '{name}' does not exist$"):
+        LLM(name, dtype="float32", device="cpu")
 
 
 def test_rope_scaling_from_the_config_is_applied(tmp_path):
