@@ -78,3 +78,5 @@ def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # Alembic logs each of its plugins' set-up at INFO: seven lines at every start of the service
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
