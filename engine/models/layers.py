@@ -245,6 +245,21 @@ CPU_PACKED_MAX_OUT = 2048
 # shapes overflow it, and then kernels are built again and again (~0.3 ms each): at 256 batch
 # sizes, a sweep over them all ran 2.4x slower the second time than with room for every one.
 ONEDNN_CACHE_CAPACITY = 8192
+# Each of those kernels holds 0.6-0.9 MB, and a step's row count is any number up to
+# max_num_batched_tokens: a worker meeting the counts one by one grew by that much for each new
+# one, towards 8,192 kernels. Above the sizes the warm-up builds, rows are padded to one of 16
+# counts per doubling (`onednn_rows`), at most 1/16 more of them: 160 counts up to 4,096.
+EXACT_ROWS = 64
+COUNTS_PER_DOUBLING = 16
+
+
+def onednn_rows(rows: int) -> int:
+    """The row count a oneDNN product of `rows` rows runs at: `rows` up to `EXACT_ROWS`, above
+    it the next multiple of a sixteenth of the power of two below it."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - COUNTS_PER_DOUBLING.bit_length())
+    return -(-rows // step) * step
 
 
 @functools.cache
@@ -284,8 +299,11 @@ class PrepackedLinear:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).contiguous()
+        rows = flat.shape[0]
+        if (padded := onednn_rows(rows)) != rows:
+            flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])
         out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, bias, "none", [], "")
-        return out.view(*x.shape[:-1], self.out_features)
+        return out[:rows].view(*x.shape[:-1], self.out_features)
 
 
 class RotaryEmbedding(nn.Module):

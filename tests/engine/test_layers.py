@@ -50,6 +50,46 @@ def test_prepacked_output_layer_matches_the_plain_product():
     assert PrepackedLinear.for_cpu(weight.half()) is None  # keeps the plain product
 
 
+def test_onednn_row_counts_are_few_and_padded_by_at_most_a_sixteenth():
+    """oneDNN keeps a kernel of ~0.6-0.9 MB for every row count it meets: above the warm-up's
+    sizes a product runs at one of 16 counts per doubling, never more than 1/16 more rows, so
+    the counts up to 4,096 are 160 (they were 4,096)."""
+    from conveyor.engine.models.layers import EXACT_ROWS, onednn_rows
+
+    counts = [onednn_rows(rows) for rows in range(1, 8193)]
+    assert counts[:EXACT_ROWS] == list(range(1, EXACT_ROWS + 1))
+    for rows, count in enumerate(counts, start=1):
+        assert rows <= count < rows * 17 / 16
+        assert onednn_rows(count) == count
+    assert counts == sorted(counts)
+    assert len(set(counts[:4096])) == 160
+    assert {onednn_rows(rows) for rows in (257, 271, 272)} == {272}
+
+
+def test_prepacked_product_runs_padded_rows_and_returns_only_the_asked_ones(monkeypatch):
+    """A product of 300 rows runs at 304 in oneDNN (with zeros below) and gives the plain
+    product of the 300."""
+    from conveyor.engine.models.layers import PrepackedLinear
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    packed = PrepackedLinear.for_cpu(weight)
+    assert packed is not None
+    run, seen = torch.ops.mkldnn._linear_pointwise, []
+
+    def spy(x, *args):
+        seen.append(x.shape[0])
+        return run(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    for shape in [(300, 64), (2, 150, 64), (64, 64), (65, 64)]:
+        x = torch.randn(shape)
+        out = packed(x, bias)
+        assert out.shape == (*shape[:-1], 96)
+        torch.testing.assert_close(out, x @ weight.T + bias, rtol=1e-4, atol=1e-4)
+    assert seen == [304, 304, 64, 68]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prepacked_projection_matches_the_plain_one_and_drops_its_weight(dtype):
     from conveyor.engine.models.layers import Linear
