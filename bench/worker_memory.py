@@ -23,7 +23,7 @@ from machine import cpu_isa, git_state
 from report import print_result, table
 
 from conveyor.demo_model import write_tiny_model
-from conveyor.testing import service_deployment, submit_batch, wait_for, write_jsonl
+from conveyor.testing import resident_kib, service_deployment, submit_batch, wait_for, write_jsonl
 from conveyor.testing.batches import chat_request
 
 WORDS = ["the", "engine", "keeps", "key", "and", "value", "blocks", "of", "a", "batch"]
@@ -52,10 +52,7 @@ def batch_file(path: Path, args: argparse.Namespace, rng: random.Random, batch: 
 
 
 def resident_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
+    return resident_kib(pid) / 1024
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -27,6 +27,7 @@ from conveyor.testing.servers import LocalPostgres, LocalRedis, ServerMissing, f
 from conveyor.testing.stack import (
     Stack,
     embedded_serve,
+    resident_kib,
     serve_on_free_port,
     service_deployment,
     service_env,
@@ -45,6 +46,7 @@ __all__ = [
     "download",
     "embedded_serve",
     "free_port",
+    "resident_kib",
     "run_keys",
     "serve_on_free_port",
     "service_deployment",

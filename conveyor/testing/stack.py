@@ -54,6 +54,14 @@ def conveyor_argv(args: list[str], launcher: list[str] | None = None) -> list[st
     return [sys.executable, *(launcher or ["-m", "conveyor"]), *args]
 
 
+def resident_kib(pid: int) -> int:
+    """The resident memory of process `pid` (VmRSS), in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
 @dataclass
 class Stack:
     """The processes of one deployment: an API and any number of workers."""

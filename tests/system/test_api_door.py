@@ -30,6 +30,7 @@ from conveyor.testing import (
     create_key,
     download,
     free_port,
+    resident_kib,
     upload_file,
     wait_for,
     write_jsonl,
@@ -42,13 +43,6 @@ CHAT = "/v1/chat/completions"
 
 
 # ---- helpers ---------------------------------------------------------------------------------
-
-
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError(f"no VmRSS for {pid}")
 
 
 def api_pid(stack: Stack) -> int:
@@ -194,7 +188,7 @@ def test_an_unauthenticated_body_is_refused_before_it_is_read(door: Stack, tmp_p
     api = door.start_api()
     pid, tmp = api_pid(door), tmp_path / "api-tmp"
     httpx.get(f"{api}/healthz")
-    before = rss_kib(pid)
+    before = resident_kib(pid)
     for path, content_type, body in (
         ("/v1/files", f"multipart/form-data; boundary={BOUNDARY}", upload_body(HUGE)),
         ("/v1/batches", "application/json", zeros(HUGE)),
@@ -206,7 +200,7 @@ def test_an_unauthenticated_body_is_refused_before_it_is_read(door: Stack, tmp_p
         openai_error(answer, 401, "invalid_api_key")
         assert answer["sent"] < 16 * MiB, answer["sent"]  # answered long before the end
         assert spooled(pid, tmp) == []
-    grown = rss_kib(pid) - before
+    grown = resident_kib(pid) - before
     assert grown < 8 * 1024, f"the API grew by {grown} KiB"
     assert stored_files(tmp_path / "data") == [] and list(tmp.iterdir()) == []
 
@@ -220,7 +214,7 @@ def test_an_upload_over_the_limit_is_cut_off_as_it_arrives(door: Stack, tmp_path
     auth = f"Bearer {new_key(door)}"
     pid, tmp = api_pid(door), tmp_path / "api-tmp"
     httpx.get(f"{api}/healthz")
-    before = rss_kib(pid)
+    before = resident_kib(pid)
     multipart = f"multipart/form-data; boundary={BOUNDARY}"
     # a declared length over the limit: refused before a byte of the body is read
     head = request_head(
@@ -248,7 +242,7 @@ def test_an_upload_over_the_limit_is_cut_off_as_it_arrives(door: Stack, tmp_path
     assert answer["sent"] < 16 * MiB, answer["sent"]
     assert spooled(pid, tmp) == []
 
-    grown = rss_kib(pid) - before
+    grown = resident_kib(pid) - before
     assert grown < 8 * 1024, f"the API grew by {grown} KiB"
     assert stored_files(tmp_path / "data") == [] and list(tmp.iterdir()) == []
     listed = httpx.get(f"{api}/v1/files", headers={"Authorization": auth}).json()
