@@ -39,7 +39,8 @@ BENCH_COLUMNS = {
     "stop_strings": ["cpu_isa", "ratios", "end_to_end", "host_ms_per_step_256"],
     "batch_invariant": ["cpu_isa", "dtype", "ratio", "ratios", "identical_alone"],
     "worker_memory": ["cpu_isa", "requests_per_batch", "worker_mb_at_start",
-                      "worker_mb_after_each", "growth_mb_per_batch_second_half"],
+                      "worker_mb_after_each", "growth_mb_per_batch_second_half",
+                      "level_after_batch", "level_mb"],
     "triton_decode_sweep": ["device", "DECODE_BLOCK_N", "DECODE_NUM_WARPS",
                             "DECODE_NUM_STAGES", "share_of_copy"],
 }  # fmt: skip
