@@ -26,6 +26,7 @@ from machine import cpu_isa, git_state
 from report import print_result, table
 
 from conveyor.demo_model import write_tiny_model
+from conveyor.engine.config import positive_int
 from conveyor.testing import resident_kib, service_deployment, submit_batch, wait_for, write_jsonl
 from conveyor.testing.batches import chat_request
 
@@ -34,7 +35,7 @@ WORDS = ["the", "engine", "keeps", "key", "and", "value", "blocks", "of", "a", "
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", type=int, default=40, help="the most batches to run")
+    ap.add_argument("--batches", type=positive_int, default=40, help="the most batches to run")
     ap.add_argument(
         "--level-window",
         type=int,
@@ -42,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="stop once the worker grew by less than --level-mb over this many batches (0: never)",
     )
     ap.add_argument("--level-mb", type=float, default=2.0)
-    ap.add_argument("--requests", type=int, default=2000, help="requests a batch")
+    ap.add_argument("--requests", type=positive_int, default=2000, help="requests a batch")
     ap.add_argument("--max-words", type=int, default=120, help="longest user message, in words")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
