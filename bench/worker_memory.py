@@ -67,14 +67,13 @@ def resident_mb(pid: int) -> float:
 
 
 def level_since(resident: list[float], window: int, most_mb: float) -> int | None:
-    """The batch (0-based) after which the worker was level: the first one from which the next
-    `window` batches grew it by less than `most_mb` in all; None if there is none yet."""
-    if window < 1:
+    """Read after each batch: the batch (0-based) after which the worker is level, if the last
+    `window` batches grew it by less than `most_mb` in all (earlier windows were read before);
+    else None."""
+    first = len(resident) - 1 - window
+    if window < 1 or first < 0 or resident[-1] - resident[first] >= most_mb:
         return None
-    for first in range(len(resident) - window):
-        if resident[first + window] - resident[first] < most_mb:
-            return first
-    return None
+    return first
 
 
 def main(argv: list[str] | None = None) -> dict:
