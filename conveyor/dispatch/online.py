@@ -39,6 +39,9 @@ REPLY_PREFIX = "conveyor.online.reply."
 REPLY_TTL = 900  # seconds an answer waits for its reader
 CANCEL_CHANNEL = "conveyor.online.cancel"  # ids of requests whose clients went away
 POP_WAIT = 30.0  # seconds one wait for an answer lasts at most (it is made again)
+# seconds a read from Redis may take before its connection counts as lost; a blocking pop
+# blocks for less (`pop_wait`)
+SOCKET_TIMEOUT = 10.0
 WAKE = b"{}"  # pushed to end a wait for answers whose reader went away
 
 
@@ -99,14 +102,14 @@ class RedisBus:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.client = redis.Redis.from_url(url)
+        self.client = redis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT)
         self._async: redis.asyncio.Redis | None = None
         self.slots = RedisSlots(url)
         self.rate = RedisRate(url)
 
     def _redis(self) -> redis.asyncio.Redis:
         if self._async is None:  # made on the event loop that uses it
-            self._async = redis.asyncio.Redis.from_url(self.url)
+            self._async = redis.asyncio.Redis.from_url(self.url, socket_timeout=SOCKET_TIMEOUT)
         return self._async
 
     async def send(self, queue_name: str, message: OnlineMessage) -> None:
@@ -120,7 +123,7 @@ class RedisBus:
                 left = message.deadline - time.time()
                 if left <= 0:
                     raise AnswerTimeout
-                got = await _pop_keeping_connection(client, key, min(left, POP_WAIT))
+                got = await _pop_keeping_connection(client, key, pop_wait(client, left))
                 if got is None:
                     continue
                 answer = json.loads(got[1])
@@ -159,7 +162,7 @@ class RedisBus:
                 stopped.wait(1.0)
 
     def take(self, queue_names: list[str], timeout: float) -> OnlineMessage | None:
-        got = self.client.brpop(queue_names, timeout=max(1, int(timeout)))
+        got = self.client.brpop(queue_names, timeout=pop_wait(self.client, timeout))
         return None if got is None else OnlineMessage.loads(got[1])
 
     def answer(self, answers: list[tuple[str, dict[str, Any]]]) -> None:
@@ -177,6 +180,20 @@ class RedisBus:
 
     def consume(self, queue_names: Iterable[str]) -> None:
         """Nothing to say: a worker takes from Redis lists by name."""
+
+
+def pop_wait(client: redis.Redis | redis.asyncio.Redis, wanted: float) -> float:
+    """How long one blocking pop on `client` may block: `wanted`, at most `POP_WAIT`, and short
+    of the client's socket timeout (`SOCKET_TIMEOUT`, or what its URL says). redis-py fails a
+    read that outlasts the socket timeout with a TimeoutError however long the pop was told to
+    block (redis/redis-py#2807); with its default of 5 s (redis-py 8) an answer that took longer
+    to come (a long completion, a stream waiting for its first token on a busy worker) failed
+    its request. Never 0, which blocks for ever; a fraction of a second needs Redis 6."""
+    limit = client.connection_pool.connection_kwargs.get("socket_timeout")
+    wait = min(wanted, POP_WAIT)
+    if limit is not None:
+        wait = min(wait, limit - min(1.0, limit / 2))
+    return max(wait, 0.01)
 
 
 async def _pop_keeping_connection(

@@ -1,9 +1,11 @@
-"""The Redis bus of online requests, on a real Redis: answers come in order, and a client that
-goes away while its answer is awaited costs no Redis connection."""
+"""The Redis bus of online requests, on a real Redis: answers come in order, an answer slower
+than the connection's socket timeout still comes, and a client that goes away while its answer
+is awaited costs no Redis connection."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import anyio
@@ -11,7 +13,7 @@ import pytest
 import redis
 import redis.asyncio.connection
 
-from conveyor.dispatch.online import OnlineMessage, RedisBus
+from conveyor.dispatch.online import OnlineMessage, RedisBus, pop_wait
 
 
 def message() -> OnlineMessage:
@@ -27,6 +29,32 @@ def test_answers_come_in_order_until_the_last(redis_url: str):
         return [a async for a in bus.answers(sent)]
 
     assert asyncio.run(read()) == answers
+
+
+def test_an_answer_slower_than_the_socket_timeout_still_comes(redis_url: str):
+    # a socket timeout of 0.5 s from the URL: one BLPOP told to block for longer would fail
+    # its read with redis.TimeoutError, as every wait past redis-py's default of 5 s did
+    bus, sent = RedisBus(f"{redis_url}?socket_timeout=0.5"), message()
+    last = {"status": 200, "last": True}
+    pusher = threading.Timer(1.5, bus.answer, args=([(sent.request_id, last)],))
+
+    async def read() -> list[dict]:
+        return [a async for a in bus.answers(sent)]
+
+    pusher.start()
+    try:
+        assert asyncio.run(read()) == [last]
+    finally:
+        pusher.cancel()
+    assert bus.take(["conveyor.online.nothing-here"], timeout=1.0) is None  # no TimeoutError
+
+
+def test_pops_block_for_less_than_a_connections_socket_timeout(redis_url: str):
+    bus = RedisBus(redis_url)
+    for client in (bus.client, bus._redis()):
+        read_timeout = client.connection_pool.make_connection().socket_timeout
+        assert 0 < pop_wait(client, 600.0) < read_timeout
+        assert pop_wait(client, 0.0) > 0  # 0 would block for ever
 
 
 def test_waits_cancelled_by_clients_going_away_keep_their_connections(
