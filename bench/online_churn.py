@@ -25,9 +25,14 @@ the wall-clock time, and the part the clients slow most (they load the API's cor
     python bench/online_churn.py --clients 20 --requests 256
     python bench/online_churn.py --online-rate-limit 10   # with CONVEYOR_ONLINE_RATE_LIMIT=10
     python bench/online_churn.py --urgent-share 0.025     # with CONVEYOR_URGENT_SHARE=0.025
+    python bench/online_churn.py --model bench --requests 512   # the 56M benchmark Llama
 
-Starts its own API and worker (a tiny random Llama on this machine's CPU) on a fresh
-PostgreSQL database (DATABASE_URL, default the local server) and a throwaway redis-server.
+Starts its own API and worker on a fresh PostgreSQL database (DATABASE_URL, default the local
+server) and a throwaway redis-server. The worker serves `--model`: `tiny` (the default: the
+random Llama of the tests, hidden size 64 in two layers, so cheap that what each request costs
+besides its tokens weighs most), `bench` (the ~56M-parameter random Llama of `engine_vs_hf` and
+`engine_ceiling`, in bfloat16 as checkpoints ship, with a tokenizer of its 32,000 tokens: a
+model whose tokens cost the engine more than its bookkeeping does) or a checkpoint's directory.
 On a machine of a few cores the worker gets cores of its own (`--worker-cpus`, default the
 first half; one torch thread per core) and the API, Redis and the clients the others, as a
 GPU worker has its host's cores to itself: otherwise what is measured is the clients and the
@@ -44,6 +49,7 @@ import socket
 import statistics
 import threading
 import time
+from collections import Counter
 from dataclasses import fields
 from datetime import date
 from pathlib import Path
@@ -54,6 +60,7 @@ import httpx
 import sqlalchemy as sa
 from machine import cpu_isa, git_state, loadavg, process_cpu_seconds
 from prometheus_client.parser import text_string_to_metric_families
+from random_llama import BENCH_LLAMA, write_tokenizer
 from report import print_result
 
 from conveyor.demo_model import write_tiny_model
@@ -85,6 +92,11 @@ SCRAPER = httpx.Client(timeout=10)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny (default), bench (the 56M benchmark Llama) or a checkpoint's directory",
+    )
     ap.add_argument("--clients", type=int, default=50)
     ap.add_argument(
         "--chunks", type=int, default=2, help="chunks a client reads before it hangs up"
@@ -200,6 +212,7 @@ class Churn:
         self.stopped = threading.Event()
         self.lock = threading.Lock()
         self.drops = self.errors = self.refused = 0
+        self.error_kinds: Counter[str] = Counter()  # what the errors were, in words
         self.threads = [threading.Thread(target=self._client, args=(i,)) for i in range(clients)]
 
     def _client(self, i: int) -> None:
@@ -221,9 +234,11 @@ class Churn:
                         self.refused += 1
                     else:
                         self.errors += 1
-            except OSError:  # refused, reset or closed early, timed out
+                        self.error_kinds[f"HTTP {err.status}"] += 1
+            except OSError as err:  # refused, reset or closed early, timed out
                 with self.lock:
                     self.errors += 1
+                    self.error_kinds[str(err) or type(err).__name__] += 1
             k += 1
 
     def __enter__(self) -> Churn:
@@ -298,10 +313,25 @@ def abort_latencies(api: str, metrics: str, samples: int) -> list[float]:
     return found
 
 
-def measure(stack: Stack, args: argparse.Namespace, worker_cpus: set[int]) -> dict:
+def write_model(root: Path, choice: str) -> Path:
+    """The checkpoint `--model` names: written under `root` unless it is a directory."""
+    if choice == "tiny":
+        return write_tiny_model(root / "model", "llama")
+    if choice == "bench":
+        path = write_tiny_model(root / "model", "llama", dtype="bfloat16", **BENCH_LLAMA)
+        # a tokenizer of the model's whole vocabulary: with the tiny one's few hundred tokens,
+        # most tokens drawn would have no text, and a stream's first chunk would come late
+        write_tokenizer(path, BENCH_LLAMA["vocab_size"])
+        return path
+    path = Path(choice)
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"--model: {choice!r} is neither tiny, bench nor a checkpoint directory")
+    return path
+
+
+def measure(stack: Stack, args: argparse.Namespace, worker_cpus: set[int], model: Path) -> dict:
     stack.start_api()
     port = free_port()
-    model = write_tiny_model(stack.root / "model", "llama")
     others = os.sched_getaffinity(0)
     os.sched_setaffinity(0, worker_cpus)  # the worker and its threads start on its cores
     stack.env["OMP_NUM_THREADS"] = str(len(worker_cpus))
@@ -313,6 +343,7 @@ def measure(stack: Stack, args: argparse.Namespace, worker_cpus: set[int]) -> di
     run_batch(stack, "warm", argparse.Namespace(**{**vars(args), "requests": 32}))
     quiet_runs, busy_runs = [], []
     drops = errors = refused = 0
+    error_kinds: Counter[str] = Counter()
     aborts = online_tokens = preempted_quiet = preempted_busy = 0.0
     for i in range(args.rounds):
         before = scrape(metrics)
@@ -323,6 +354,7 @@ def measure(stack: Stack, args: argparse.Namespace, worker_cpus: set[int]) -> di
         time.sleep(1)  # the last hang-ups reach the worker
         after = scrape(metrics)
         drops, errors, refused = drops + churn.drops, errors + churn.errors, refused + churn.refused
+        error_kinds += churn.error_kinds
         aborts += after.get(ABORTS, 0.0) - between.get(ABORTS, 0.0)
         # tokens generated for the dropped streams: what the clients read (two chunks) and
         # what was in flight when the abort came, where without aborts it would be
@@ -335,18 +367,21 @@ def measure(stack: Stack, args: argparse.Namespace, worker_cpus: set[int]) -> di
     quiet["preemptions"], busy["preemptions"] = int(preempted_quiet), int(preempted_busy)
     latencies = abort_latencies(stack.api_url, metrics, args.latency_samples)
     return {"quiet": quiet, "churn": busy, "drops": drops, "drop_errors": errors,
+            "drop_error_kinds": dict(error_kinds),
             "refused": refused, "aborts_counted": int(aborts), "latencies": latencies,
             "quiet_runs_tok_s": [r["tok_s"] for r in quiet_runs],
             "churn_runs_tok_s": [r["tok_s"] for r in busy_runs]}  # fmt: skip
 
 
-def engine_share(stack: Stack, seen: dict, args: argparse.Namespace, cpus: set[int]) -> dict:
+def engine_share(
+    stack: Stack, seen: dict, args: argparse.Namespace, cpus: set[int], model: Path
+) -> dict:
     """`engine_alone` at the service's rate of drops and tokens per drop, the service
     stopped first so that the engine has the worker's cores to itself."""
     stack.stop()
     rate = seen["drops"] / seen["churn"]["wall_s"]
     keep = max(1, round(seen["churn"]["tokens_per_drop"]))
-    ratio = engine_alone(stack.root / "model", args, cpus, rate, keep)
+    ratio = engine_alone(model, args, cpus, rate, keep)
     return {"engine_alone_drops_per_s": round(rate, 1), "engine_alone_tokens_per_drop": keep,
             "engine_alone_ratio": round(ratio, 3)}  # fmt: skip
 
@@ -434,8 +469,9 @@ def main(argv: list[str] | None = None) -> dict:
            "CONVEYOR_ONLINE_RATE_LIMIT": str(args.online_rate_limit),
            "CONVEYOR_URGENT_SHARE": str(args.urgent_share)}  # fmt: skip
     with service_deployment("churn", **env) as stack:
-        seen = measure(stack, args, worker_cpus)
-        alone = engine_share(stack, seen, args, worker_cpus)
+        model = write_model(stack.root, args.model)
+        seen = measure(stack, args, worker_cpus, model)
+        alone = engine_share(stack, seen, args, worker_cpus, model)
     ratio = seen["churn"]["tok_s"] / seen["quiet"]["tok_s"]
     run_ratio = seen["churn"]["run_tok_s"] / seen["quiet"]["run_tok_s"]
     # per core-second the worker had: what the clients' requests cost the engine, without what
@@ -446,6 +482,7 @@ def main(argv: list[str] | None = None) -> dict:
     lat_ms = sorted(x * 1000 for x in seen.pop("latencies"))
     report = {
         "bench": "online_churn",
+        "model": args.model if args.model in ("tiny", "bench") else str(model),
         "clients": args.clients,
         "chunks_read": args.chunks,
         "online_rate_limit": args.online_rate_limit,

@@ -22,15 +22,25 @@ from conveyor.demo_model import write_tiny_model
 # ---------------------------------------------------------------------------------------------
 # options
 
+# the shape of the benchmark Llama (~56M parameters), as `write_tiny_model` takes it
+BENCH_LLAMA = dict(
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=32000,
+)
+
 
 def add_model_arguments(ap: argparse.ArgumentParser, max_positions: int) -> None:
     """The shape of the ~56M-parameter benchmark Llama (see `model_overrides`)."""
-    ap.add_argument("--hidden-size", type=int, default=512)
-    ap.add_argument("--intermediate-size", type=int, default=1408)
-    ap.add_argument("--num-layers", type=int, default=8)
-    ap.add_argument("--num-heads", type=int, default=8)
-    ap.add_argument("--num-kv-heads", type=int, default=4)
-    ap.add_argument("--vocab-size", type=int, default=32000)
+    ap.add_argument("--hidden-size", type=int, default=BENCH_LLAMA["hidden_size"])
+    ap.add_argument("--intermediate-size", type=int, default=BENCH_LLAMA["intermediate_size"])
+    ap.add_argument("--num-layers", type=int, default=BENCH_LLAMA["num_hidden_layers"])
+    ap.add_argument("--num-heads", type=int, default=BENCH_LLAMA["num_attention_heads"])
+    ap.add_argument("--num-kv-heads", type=int, default=BENCH_LLAMA["num_key_value_heads"])
+    ap.add_argument("--vocab-size", type=int, default=BENCH_LLAMA["vocab_size"])
     ap.add_argument("--max-position-embeddings", type=int, default=max_positions)
     ap.add_argument(
         "--attention-backend",
