@@ -329,9 +329,10 @@ def write_model(root: Path, choice: str) -> Path:
     return path
 
 
-def measure(stack: Stack, args: argparse.Namespace, worker_cpus: set[int], model: Path) -> dict:
+def measure(stack: Stack, args: argparse.Namespace, worker_cpus: set[int]) -> dict:
     stack.start_api()
     port = free_port()
+    model = write_model(stack.root, args.model)
     others = os.sched_getaffinity(0)
     os.sched_setaffinity(0, worker_cpus)  # the worker and its threads start on its cores
     stack.env["OMP_NUM_THREADS"] = str(len(worker_cpus))
@@ -366,22 +367,21 @@ def measure(stack: Stack, args: argparse.Namespace, worker_cpus: set[int], model
     busy["tokens_per_drop"] = round(online_tokens / max(1, drops), 2)
     quiet["preemptions"], busy["preemptions"] = int(preempted_quiet), int(preempted_busy)
     latencies = abort_latencies(stack.api_url, metrics, args.latency_samples)
-    return {"quiet": quiet, "churn": busy, "drops": drops, "drop_errors": errors,
+    return {"model_dir": model, "quiet": quiet, "churn": busy, "drops": drops,
+            "drop_errors": errors,
             "drop_error_kinds": dict(error_kinds),
             "refused": refused, "aborts_counted": int(aborts), "latencies": latencies,
             "quiet_runs_tok_s": [r["tok_s"] for r in quiet_runs],
             "churn_runs_tok_s": [r["tok_s"] for r in busy_runs]}  # fmt: skip
 
 
-def engine_share(
-    stack: Stack, seen: dict, args: argparse.Namespace, cpus: set[int], model: Path
-) -> dict:
+def engine_share(stack: Stack, seen: dict, args: argparse.Namespace, cpus: set[int]) -> dict:
     """`engine_alone` at the service's rate of drops and tokens per drop, the service
     stopped first so that the engine has the worker's cores to itself."""
     stack.stop()
     rate = seen["drops"] / seen["churn"]["wall_s"]
     keep = max(1, round(seen["churn"]["tokens_per_drop"]))
-    ratio = engine_alone(model, args, cpus, rate, keep)
+    ratio = engine_alone(seen.pop("model_dir"), args, cpus, rate, keep)
     return {"engine_alone_drops_per_s": round(rate, 1), "engine_alone_tokens_per_drop": keep,
             "engine_alone_ratio": round(ratio, 3)}  # fmt: skip
 
@@ -469,9 +469,8 @@ def main(argv: list[str] | None = None) -> dict:
            "CONVEYOR_ONLINE_RATE_LIMIT": str(args.online_rate_limit),
            "CONVEYOR_URGENT_SHARE": str(args.urgent_share)}  # fmt: skip
     with service_deployment("churn", **env) as stack:
-        model = write_model(stack.root, args.model)
-        seen = measure(stack, args, worker_cpus, model)
-        alone = engine_share(stack, seen, args, worker_cpus, model)
+        seen = measure(stack, args, worker_cpus)
+        alone = engine_share(stack, seen, args, worker_cpus)
     ratio = seen["churn"]["tok_s"] / seen["quiet"]["tok_s"]
     run_ratio = seen["churn"]["run_tok_s"] / seen["quiet"]["run_tok_s"]
     # per core-second the worker had: what the clients' requests cost the engine, without what
@@ -482,7 +481,7 @@ def main(argv: list[str] | None = None) -> dict:
     lat_ms = sorted(x * 1000 for x in seen.pop("latencies"))
     report = {
         "bench": "online_churn",
-        "model": args.model if args.model in ("tiny", "bench") else str(model),
+        "model": args.model,
         "clients": args.clients,
         "chunks_read": args.chunks,
         "online_rate_limit": args.online_rate_limit,
