@@ -168,10 +168,10 @@ class EngineConfig:
         metavar="SECONDS",
     )
     urgent_share: float = _option(
-        0.1,
+        0.05,
         "the share of the tokens the engine computes that requests of a more urgent "
         "priority (online ones) may take while less urgent work (a batch) is present; 1 lets "
-        "them take all (default 0.1)",
+        "them take all (default 0.05)",
         type=float,
         metavar="SHARE",
     )
