@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 from conveyor.api.errors import APIError
 from conveyor.ledger.db import Ledger
 from conveyor.ledger.models import ResultRow
+from conveyor.wire_format.result_lines import one_line
 
 PAGE = 1000
 
@@ -34,7 +35,8 @@ def result_lines(
             return
         after_seq = rows[-1][0]
         sent += len(rows)
-        yield "".join(output + "\n" for _, output in rows).encode()
+        # one_line: lines written before the line ends in their strings were escaped
+        yield "".join(one_line(output) + "\n" for _, output in rows).encode()
         if len(rows) < page:
             return
 

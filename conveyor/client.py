@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,20 @@ from conveyor.wire_format.errors import IDEMPOTENCY_KEY_REUSED
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 API_OUTAGE_TOLERANCE = 300.0  # seconds a waiting client rides out an unreachable API
+
+
+def json_lines(chunks: Iterable[bytes]) -> Iterator[dict[str, Any]]:
+    """The JSON lines of a byte stream, split at "\n" alone: httpx's `iter_lines`, as
+    `str.splitlines`, also splits at characters a JSON string may hold as they are (U+2028,
+    U+2029, U+0085), and a model can write them."""
+    rest = b""
+    for chunk in chunks:
+        *lines, rest = (rest + chunk).split(b"\n")
+        for line in lines:
+            if line.strip():
+                yield json.loads(line)
+    if rest.strip():
+        yield json.loads(rest)
 
 
 class ServiceError(Exception):
@@ -218,6 +232,4 @@ class ConveyorClient:
             if r.status_code >= 400:
                 r.read()
                 self._check(r)
-            for line in r.iter_lines():
-                if line.strip():
-                    yield json.loads(line)
+            yield from json_lines(r.iter_bytes())

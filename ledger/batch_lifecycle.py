@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import IO, Any
 
-from sqlalchemy import Row, bindparam, func, select, update
+from sqlalchemy import BLOB, Row, bindparam, cast, func, select, update
 from sqlalchemy.orm import Session
 
 from conveyor.ledger.ids import new_file_id
@@ -239,7 +239,7 @@ def _write_files(session: Session, batch: BatchRow) -> None:
     ):
         n, size = session.execute(
             select(
-                func.count(ResultRow.seq), func.coalesce(func.sum(func.length(ResultRow.output)), 0)
+                func.count(ResultRow.seq), func.coalesce(func.sum(_utf8_length(session)), 0)
             ).where(ResultRow.batch_id == batch.id, ResultRow.ok == ok)
         ).one()
         if not n:
@@ -257,6 +257,14 @@ def _write_files(session: Session, batch: BatchRow) -> None:
         )
         session.add(file)
         setattr(batch, attr, file.id)
+
+
+def _utf8_length(session: Session) -> Any:
+    """A result line's size in bytes as the files' content sends it (UTF-8); `length` counts
+    characters."""
+    if session.get_bind().dialect.name == "postgresql":
+        return func.octet_length(ResultRow.output)
+    return func.length(cast(ResultRow.output, BLOB))  # SQLite before 3.43 has no octet_length
 
 
 def _stop_shards(session: Session, batch_id: str) -> None:

@@ -27,6 +27,7 @@ from conveyor.cli.common import (
     fail,
 )
 from conveyor.ledger.states import BatchStatus
+from conveyor.wire_format.result_lines import dump_line
 
 
 def add_submit(sub: argparse._SubParsersAction) -> None:
@@ -301,11 +302,11 @@ def cmd_results(args: argparse.Namespace) -> int:
             lines = client.results(args.batch_id, args.after)
             if args.output is None:
                 for line in lines:
-                    print(json.dumps(line, ensure_ascii=False))
+                    print(dump_line(line))
                 return EXIT_OK
             with open(args.output, "w", encoding="utf-8") as out:
                 for line in lines:
-                    out.write(json.dumps(line, ensure_ascii=False) + "\n")
+                    out.write(dump_line(line) + "\n")
             # read after the lines: a worker's run is recorded before it writes any of them
             write_record(client.batch(args.batch_id), args.output)
     except (ServiceError, OSError) as err:

@@ -109,7 +109,7 @@ def download(api: str, file_id: str | None, headers: dict[str, str] | None = Non
         return []
     r = httpx.get(f"{api}/v1/files/{file_id}/content", headers=headers, timeout=60)
     assert r.status_code == 200, r.text
-    return [json.loads(line) for line in r.text.splitlines() if line.strip()]
+    return [json.loads(line) for line in r.text.split("\n") if line.strip()]
 
 
 def run_keys(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:

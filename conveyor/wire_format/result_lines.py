@@ -86,16 +86,33 @@ def build_error_line(
     }
 
 
+# Characters JSON lets a string hold as they are, but that Python's `str.splitlines` and
+# httpx's `iter_lines` take for line ends (NEL, LINE SEPARATOR, PARAGRAPH SEPARATOR): a model
+# can write them, and a line holding one raw would reach such a reader as two broken halves
+LINE_ENDS_IN_STRINGS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
 def dump_line(obj: dict[str, Any]) -> str:
-    """A result or error line as JSON text that UTF-8 (a file, the ledger) can always hold:
-    text as it is, unless it has a lone surrogate (model text or an echoed prompt can), then
-    with every non-ASCII character escaped, which decodes to the same line."""
+    """A result or error line as JSON text that UTF-8 (a file, the ledger) can always hold and
+    every reader of lines reads as one: text as it is, but for the characters some readers take
+    for line ends (escaped), and unless it has a lone surrogate (model text or an echoed prompt
+    can), then with every non-ASCII character escaped. It decodes to the same line."""
     text = json.dumps(obj, ensure_ascii=False)
     if not text.isascii():
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
             return json.dumps(obj)
+        return one_line(text)
+    return text
+
+
+def one_line(text: str) -> str:
+    """JSON text `text` with the line ends JSON lets its strings hold escaped: the same value,
+    one line for every reader (lines written before `dump_line` escaped them)."""
+    for char, escaped in LINE_ENDS_IN_STRINGS.items():
+        if char in text:
+            text = text.replace(char, escaped)
     return text
 
 

@@ -11,13 +11,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
+from conveyor.client import json_lines
 from conveyor.ledger import batch_lifecycle, results
 from conveyor.ledger.batch_runs import record_run
 from conveyor.ledger.db import Ledger
 from conveyor.ledger.ids import new_batch_id
-from conveyor.ledger.models import BatchRow, RequestRow
+from conveyor.ledger.models import BatchRow, RequestRow, ResultRow
 from conveyor.settings import Settings
 
 OPENAI_FILE_KEYS = {"id", "object", "bytes", "created_at", "filename", "purpose", "status",
@@ -26,15 +28,15 @@ RECORD = {"conveyor": "0.1.0", "engine": {"dtype": "torch.float32", "plan": {"de
           "default_sampling": {"temperature": 0.6, "top_p": 0.95}}  # fmt: skip
 
 
-def result_lines(batch_id: str) -> list[dict]:
-    """Two answers and one error line, as a worker writes them."""
+def result_lines(batch_id: str, text: str = "a") -> list[dict]:
+    """Two answers and one error line, as a worker writes them, their texts made of `text`."""
     lines = []
     for i in range(3):
         body = {"id": f"chatcmpl-{i}", "object": "chat.completion", "model": "m",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": f"a{i}"},
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": f"{text}{i}"},
                              "finish_reason": "stop"}]}  # fmt: skip
         response = {"status_code": 200, "request_id": f"req-{i}", "body": body}
-        error = {"code": "invalid_request", "message": "bad", "line": i + 1}
+        error = {"code": "invalid_request", "message": f"bad {text}", "line": i + 1}
         failed = i == 2
         line = {"id": f"{batch_id}-l{i}", "custom_id": f"c{i}"}
         lines.append(line | {"response": None, "error": error} if failed
@@ -42,11 +44,13 @@ def result_lines(batch_id: str) -> list[dict]:
     return lines
 
 
-def finished_batch(ledger: Ledger, runs: list[tuple[str, str]]) -> tuple[str, list[dict]]:
+def finished_batch(
+    ledger: Ledger, runs: list[tuple[str, str]], text: str = "a"
+) -> tuple[str, list[dict]]:
     """A batch that `runs` ((worker, fingerprint), first first) ran to completion: its id and
     its result lines."""
     batch_id = new_batch_id()
-    lines = result_lines(batch_id)
+    lines = result_lines(batch_id, text)
     with ledger.session() as session:
         session.add(BatchRow(id=batch_id, input_file_id="file-x", model="m", total=len(lines),
                              endpoint="/v1/chat/completions", completion_window="24h",
@@ -139,3 +143,45 @@ def test_a_batch_without_a_recorded_run_says_so(api: tuple[TestClient, Ledger]):
     content = client.get(f"/v1/files/{output_file_id}/content")
     assert content.headers["conveyor-batch-id"] == batch_id
     assert "conveyor-fingerprints" not in content.headers
+
+
+# what a model can write: besides other non-ASCII text, characters that a JSON string may hold
+# as they are but that `str.splitlines` and httpx's `iter_lines` take for line ends
+AWKWARD = "é 😀 x\x85y\u2028z\u2029w"
+
+
+def chunked(data: bytes, size: int = 7) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)]
+
+
+def test_result_lines_stay_one_line_for_every_reader_and_a_file_says_its_bytes(
+    api: tuple[TestClient, Ledger],
+):
+    client, ledger = api
+    batch_id, lines = finished_batch(ledger, [], text=AWKWARD)
+    batch = client.get(f"/v1/batches/{batch_id}").json()
+    for file_id, wanted in ((batch["output_file_id"], lines[:2]),
+                            (batch["error_file_id"], lines[2:])):  # fmt: skip
+        content = client.get(f"/v1/files/{file_id}/content")
+        assert [json.loads(x) for x in content.text.splitlines()] == wanted
+        assert client.get(f"/v1/files/{file_id}").json()["bytes"] == len(content.content)
+    streamed = client.get(f"/v1/batches/{batch_id}/results")
+    assert [json.loads(x) for x in streamed.text.splitlines()] == lines
+    assert list(json_lines(chunked(streamed.content))) == lines
+
+
+def test_a_line_stored_with_raw_line_ends_is_sent_as_one_and_read_as_one(
+    api: tuple[TestClient, Ledger],
+):
+    client, ledger = api
+    batch_id, lines = finished_batch(ledger, [], text=AWKWARD)
+    with ledger.session() as session:  # as results were written before their line ends were escaped
+        for row in session.scalars(sa.select(ResultRow).where(ResultRow.batch_id == batch_id)):
+            row.output = json.dumps(json.loads(row.output), ensure_ascii=False)
+            assert "\u2028" in row.output
+    streamed = client.get(f"/v1/batches/{batch_id}/results")
+    assert [json.loads(x) for x in streamed.text.splitlines()] == lines
+    # and the client reads such lines from a server that sends them as they are
+    raw = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines).encode()
+    assert len(raw.decode().splitlines()) > len(lines)
+    assert list(json_lines(chunked(raw))) == lines

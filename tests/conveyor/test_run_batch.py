@@ -984,3 +984,12 @@ def test_dump_line_keeps_text_unless_it_cannot_be_utf8() -> None:
     assert dump_line({"t": "é 😀"}) == '{"t": "é 😀"}'
     assert dump_line({"t": "é \ud800"}) == '{"t": "\\u00e9 \\ud800"}'
     assert json.loads(dump_line({"t": "é \ud800"})) == {"t": "é \ud800"}
+
+
+def test_dump_line_escapes_what_some_readers_take_for_line_ends() -> None:
+    from conveyor.wire_format.result_lines import dump_line
+
+    obj = {"t": "é x\x85y\u2028z\u2029w"}
+    text = dump_line(obj)
+    assert text == '{"t": "é x\\u0085y\\u2028z\\u2029w"}'
+    assert text.splitlines() == [text] and json.loads(text) == obj
