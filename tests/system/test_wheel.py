@@ -86,14 +86,20 @@ def test_installed_conveyor_imports_alone(venv_python: Path, tmp_path: Path) -> 
         "import importlib.util, json, sys, conveyor\n"
         "from conveyor import LLM, SamplingParams\n"
         "print(json.dumps({'file': conveyor.__file__, 'engine': LLM.__module__,"
-        f" 'old': [n for n in {OLD_TOP_LEVEL!r} if importlib.util.find_spec(n)]}}))\n"
+        f" 'old': {{n: s.origin for n in {OLD_TOP_LEVEL!r}"
+        " if (s := importlib.util.find_spec(n))}}))\n"
     )
     done = run(venv_python, code, tmp_path)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
-    assert seen["file"].startswith(str(venv_python.parents[1]))  # the wheel's, not the repo's
+    installed = venv_python.parents[1]
+    assert seen["file"].startswith(str(installed))  # the wheel's, not the repo's
     assert seen["engine"] == "conveyor.engine.llm"
-    assert seen["old"] == []
+    # a name may be another installed package's (transformers brings Hugging Face's `kernels`),
+    # never this repository's folder nor one the wheel put in the environment
+    for name, origin in seen["old"].items():
+        assert not origin.startswith(str(installed)), (name, origin)
+        assert Path(origin).parent != ROOT / name, (name, origin)
 
 
 def test_the_installed_cpu_kernels_build(venv_python: Path, tmp_path: Path) -> None:
