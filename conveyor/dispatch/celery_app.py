@@ -56,7 +56,8 @@ def make_celery(settings: Settings, tasks: Sequence[str] = ()) -> Celery:
         worker_prefetch_multiplier=1,
         # take a message only when a thread is free to start it: a delivered shard is a
         # running shard, which is what lets the reconciler tell a dead worker's messages apart
-        worker_disable_prefetch=True,
+        # (Celery has it for Redis alone, and warns that it ignores it on the embedded broker)
+        worker_disable_prefetch=redis,
         worker_cancel_long_running_tasks_on_connection_loss=True,
         broker_connection_retry_on_startup=True,
         broker_transport_options=dict(visibility),

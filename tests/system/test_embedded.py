@@ -133,6 +133,8 @@ def test_embedded_serve_and_submit(embedded: tuple[str, dict[str, str]], tmp_pat
     assert "script-src 'self'" in page.headers["content-security-policy"]
     series = httpx.get(f"{url}/v1/batches/{batch_id}/throughput").json()
     assert sum(p["requests"] for p in series["data"]) == 16
+    # nothing configured that the embedded broker then ignores with a warning
+    assert "Ignoring" not in (tmp_path / "serve.log").read_text()
     (worker,) = httpx.get(url + "/v1/workers").json()["data"]
     assert worker["models"] == ["demo"] and worker["device"] == "cpu"
     assert 0 <= worker["kv_cache_usage"] < 1 and worker["running_shards"] == 0

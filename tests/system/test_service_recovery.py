@@ -253,3 +253,4 @@ def test_visibility_timeout_is_set_everywhere_celery_reads_it():
     assert conf.result_backend_transport_options["visibility_timeout"] == 321
     assert conf.visibility_timeout == 321
     assert conf.task_acks_late and conf.worker_prefetch_multiplier == 1
+    assert conf.worker_disable_prefetch
