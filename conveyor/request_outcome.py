@@ -130,15 +130,25 @@ def prepare_request(llm: Engine, request: ParsedRequest) -> tuple[Prompt, Sampli
             tools=request.tools,
         )
     except Exception as err:  # the engine's ChatTemplateError, or what a template raised
-        kwargs = getattr(err, "field", None) == "chat_template_kwargs"
-        raise RequestError(
-            str(err) if isinstance(err, ChatTemplateError) else f"the chat template: {err}",
-            code=CHAT_TEMPLATE_ERROR,
-            line=request.line,
-            custom_id=request.custom_id,
-            param=request.client_param("body.chat_template_kwargs" if kwargs else "body.messages"),
-        ) from None
+        raise chat_template_error(err, request) from None
     return _prepared(llm, request, prompt), params
+
+
+def chat_template_error(err: Exception, request: ParsedRequest | None = None) -> RequestError:
+    """What the chat template raised as the error of `request` (an online body where None),
+    naming the field at fault."""
+    kwargs = getattr(err, "field", None) == "chat_template_kwargs"
+    field = "chat_template_kwargs" if kwargs else "messages"
+    message = str(err) if isinstance(err, ChatTemplateError) else f"the chat template: {err}"
+    if request is None:
+        return RequestError(message, code=CHAT_TEMPLATE_ERROR, param=field)
+    return RequestError(
+        message,
+        code=CHAT_TEMPLATE_ERROR,
+        line=request.line,
+        custom_id=request.custom_id,
+        param=request.client_param(f"body.{field}"),
+    )
 
 
 def _prepared(llm: Engine, request: ParsedRequest, prompt: str | list[int]) -> Prompt:

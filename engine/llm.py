@@ -74,6 +74,20 @@ class LLM(LLMEngine):
         ]
         return self.generate(prompts, params, use_tqdm)
 
+    def render_chat_template(
+        self,
+        conversation: list[Message],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The conversation rendered by the chat template (`--chat-template`, else the
+        checkpoint's), with `chat_template_kwargs` over the server's defaults and the `tools`
+        the model may call (OpenAI's `{"type": "function", "function": {...}}`)."""
+        return self.chat_template.render(
+            self.tokenizer, conversation, add_generation_prompt, chat_template_kwargs, tools
+        )
+
     def apply_chat_template(
         self,
         conversation: list[Message],
@@ -81,11 +95,10 @@ class LLM(LLMEngine):
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """The conversation rendered by the chat template (`--chat-template`, else the
-        checkpoint's), with `chat_template_kwargs` over the server's defaults and the `tools`
-        the model may call (OpenAI's `{"type": "function", "function": {...}}`), tokenized."""
-        text = self.chat_template.render(
-            self.tokenizer, conversation, add_generation_prompt, chat_template_kwargs, tools
+        """`render_chat_template`'s text, tokenized (the template writes the special tokens
+        it wants)."""
+        text = self.render_chat_template(
+            conversation, add_generation_prompt, chat_template_kwargs, tools
         )
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 

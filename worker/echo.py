@@ -50,7 +50,7 @@ class EchoEngine:
         self.reasoning_parser: str | None = None
         self.tool_call_parser: str | None = None
 
-    def apply_chat_template(
+    def render_chat_template(
         self,
         messages: list[dict[str, str]],
         add_generation_prompt: bool = True,
@@ -64,6 +64,8 @@ class EchoEngine:
         if tools:
             lines.append("tools: " + ", ".join(t["function"]["name"] for t in tools))
         return "\n".join(lines)
+
+    apply_chat_template = render_chat_template  # its prompts are text
 
     def prepare_prompt(self, prompt: str | list[int]) -> Prompt:
         return prompt  # nothing to tokenize: the echo is the prompt's words

@@ -31,7 +31,12 @@ from pydantic import ValidationError
 from conveyor.dispatch.online import OnlineBus, OnlineMessage
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.protocol import Engine
-from conveyor.request_outcome import engine_error, internal_error, prepare_request
+from conveyor.request_outcome import (
+    chat_template_error,
+    engine_error,
+    internal_error,
+    prepare_request,
+)
 from conveyor.wire_format.bodies import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -39,6 +44,8 @@ from conveyor.wire_format.bodies import (
     RESPONSES_URL,
     DetokenizeBody,
     TokenizeBody,
+    template_messages,
+    template_tools,
 )
 from conveyor.wire_format.errors import (
     INTERNAL_ERROR,
@@ -213,12 +220,16 @@ class OnlineServer(threading.Thread):
             check_token_ids(body.tokens, vocabulary_size(self.engine, tokenizer))
             return {"status": 200, "body": {"prompt": tokenizer.decode(body.tokens)}}
         body = TokenizeBody.model_validate(message.body)
-        if body.messages is not None:
-            text = tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content or ""} for m in body.messages],
-                add_generation_prompt=body.add_generation_prompt is not False,
-                tokenize=False,
-            )
+        if body.messages is not None:  # rendered as a chat request renders them
+            try:
+                text = self.engine.render_chat_template(
+                    template_messages(body.messages),
+                    body.add_generation_prompt is not False,
+                    body.chat_template_kwargs,
+                    template_tools(body.tools),
+                )
+            except Exception as err:  # the engine's ChatTemplateError, or a template's own
+                raise chat_template_error(err) from None
             special = bool(body.add_special_tokens)
         else:
             text = body.prompt or ""

@@ -302,6 +302,28 @@ class ChatMessage(BaseModel):
         raise ValueError('must be a string or a list of {"type": "text", "text": ...} parts')
 
 
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template gets them."""
+    dicts = []
+    for m in messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if (thinking := m.reasoning_content or m.reasoning) is not None:
+            message["reasoning_content"] = thinking
+        dicts.append(message)
+    return dicts
+
+
+def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """The tools as the chat template gets them."""
+    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
+
+
 class ChatCompletionBody(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT)
@@ -354,7 +376,7 @@ class ChatCompletionBody(_SamplingFields):
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template gets them (even with "none", as vLLM gives them)."""
-        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+        return template_tools(self.tools)
 
     def sampling_kwargs(self) -> dict[str, Any]:
         kwargs = self.common_sampling_kwargs()
@@ -368,19 +390,7 @@ class ChatCompletionBody(_SamplingFields):
         return kwargs
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        messages = []
-        for m in self.messages:
-            message: dict[str, Any] = {"role": m.role, "content": m.content or ""}
-            if m.name is not None:
-                message["name"] = m.name
-            if m.tool_calls:
-                message["tool_calls"] = [call.model_dump() for call in m.tool_calls]
-            if m.tool_call_id is not None:
-                message["tool_call_id"] = m.tool_call_id
-            if (thinking := m.reasoning_content or m.reasoning) is not None:
-                message["reasoning_content"] = thinking
-            messages.append(message)
-        return messages
+        return template_messages(self.messages)
 
 
 class CompletionBody(_SamplingFields):
@@ -442,12 +452,19 @@ class TokenizeBody(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
+    # with "messages": rendered as a chat request with these fields renders them
     add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeBody:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError('give either "prompt" or "messages"')
+        if self.messages is None:
+            for name in ("add_generation_prompt", "chat_template_kwargs", "tools"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f'"{name}" goes with "messages", not with "prompt"')
         return self
 
 

@@ -148,6 +148,56 @@ def test_tokenizer_endpoints_and_errors(chat_model: Path, tmp_path: Path):
         assert bad_tokens.status_code == 400
 
 
+# the server's own template: the tools' names, and a variable of its own
+TEMPLATE = (
+    "{% if tools %}Tools: {% for t in tools %}{{ t.function.name }} {% endfor %}\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if style %}Style: {{ style }}\n{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tokenize_counts_a_chat_as_the_chat_endpoint_renders_it(chat_model: Path, tmp_path: Path):
+    """`/tokenize` with messages renders them as a chat request does: the server's
+    --chat-template, the request's `chat_template_kwargs` and `tools`; its count is the
+    chat's `prompt_tokens` (it once counted with the checkpoint's template and none of them)."""
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE)
+    messages = [{"role": "user", "content": "Say hi"}]
+    tool = {"type": "function", "function": {"name": "lookup_weather", "parameters": {}}}
+    variants = [{}, {"extra_body": {"chat_template_kwargs": {"style": "terse and plain"}}},
+                {"tools": [tool], "tool_choice": "none"}]  # fmt: skip
+    with embedded_serve(tmp_path, chat_model, "--chat-template", str(template)) as url:
+        counts = []
+        for extra in variants:
+            chat = client(url).chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=1, **extra
+            )
+            fields = {k: v for k, v in extra.items() if k not in ("tool_choice", "extra_body")}
+            fields |= extra.get("extra_body", {})
+            tokenized = httpx.post(url + "/tokenize", json={"messages": messages, **fields})
+            assert tokenized.status_code == 200, tokenized.text
+            assert tokenized.json()["count"] == chat.usage.prompt_tokens, extra
+            counts.append(chat.usage.prompt_tokens)
+        assert counts[0] < counts[1] and counts[0] < counts[2]  # each reached the template
+        bare = httpx.post(
+            url + "/tokenize", json={"messages": messages, "add_generation_prompt": False}
+        )
+        assert bare.json()["count"] < counts[0]
+
+        reserved = httpx.post(
+            url + "/tokenize",
+            json={"messages": messages, "chat_template_kwargs": {"add_generation_prompt": True}},
+        )
+        assert reserved.status_code == 400
+        assert reserved.json()["error"]["param"] == "chat_template_kwargs"
+        with_prompt = httpx.post(
+            url + "/tokenize", json={"prompt": "hi", "chat_template_kwargs": {"style": "x"}}
+        )
+        assert with_prompt.status_code == 400
+        assert 'goes with "messages"' in with_prompt.json()["error"]["message"]
+
+
 def test_online_through_redis_with_keys_503_and_504(stack: Stack, chat_model: Path, tmp_path: Path):
     stack.env["CONVEYOR_AUTH"] = "required"
     stack.env["CONVEYOR_ONLINE_TIMEOUT"] = "3"
