@@ -187,8 +187,12 @@ class LLMEngine:
         self.model_len_limit = max_positions
         return load_model(path, hf_config, self.dtype, self.device, max_positions)
 
+    def served_chat_template(self) -> str | dict[str, str] | None:
+        """The template chats are rendered with: --chat-template's, else the tokenizer's."""
+        return self.chat_template.text or getattr(self.tokenizer, "chat_template", None)
+
     def _template_tool_call_parser(self) -> str | None:
-        template = self.chat_template.text or getattr(self.tokenizer, "chat_template", None)
+        template = self.served_chat_template()
         if isinstance(template, dict):  # several named templates: the default one
             template = template.get("default") or template.get("tool_use")
         parser = tool_call_parser_of(template if isinstance(template, str) else None)

@@ -73,6 +73,10 @@ class Engine(Protocol):
         tools: list[dict[str, Any]] | None = None,
     ) -> str | list[int]: ...
 
+    def served_chat_template(self) -> str | dict[str, str] | None:
+        """The template chats are rendered with (`/tokenizer_info` tells it)."""
+        ...
+
     def render_chat_template(
         self,
         messages: list[dict[str, Any]],

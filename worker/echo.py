@@ -67,6 +67,9 @@ class EchoEngine:
 
     apply_chat_template = render_chat_template  # its prompts are text
 
+    def served_chat_template(self) -> None:
+        return None  # no template: the lines above
+
     def prepare_prompt(self, prompt: str | list[int]) -> Prompt:
         return prompt  # nothing to tokenize: the echo is the prompt's words
 

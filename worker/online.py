@@ -455,12 +455,12 @@ def check_token_ids(tokens: list[int], vocab_size: int | None) -> None:
 
 def tokenizer_info(tokenizer: Any, engine: Engine) -> dict[str, Any]:
     """What vLLM's `GET /tokenizer_info` tells of a tokenizer (lm-eval's remote tokenizer reads
-    its special tokens and chat template)."""
+    its special tokens and chat template, which it renders chats with itself: the server's)."""
     return {
         "tokenizer_class": type(tokenizer).__name__,
         "eos_token": getattr(tokenizer, "eos_token", None),
         "bos_token": getattr(tokenizer, "bos_token", None),
         "pad_token": getattr(tokenizer, "pad_token", None),
-        "chat_template": getattr(tokenizer, "chat_template", None),
+        "chat_template": engine.served_chat_template(),
         "model_max_length": engine.max_model_len,
     }

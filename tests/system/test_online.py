@@ -180,6 +180,8 @@ def test_tokenize_counts_a_chat_as_the_chat_endpoint_renders_it(chat_model: Path
             assert tokenized.json()["count"] == chat.usage.prompt_tokens, extra
             counts.append(chat.usage.prompt_tokens)
         assert counts[0] < counts[1] and counts[0] < counts[2]  # each reached the template
+        # lm-eval's remote tokenizer renders chats itself, with the template this tells it
+        assert httpx.get(url + "/tokenizer_info").json()["chat_template"] == TEMPLATE
         bare = httpx.post(
             url + "/tokenize", json={"messages": messages, "add_generation_prompt": False}
         )
