@@ -126,8 +126,10 @@ def prepare_request(llm: Engine, request: ParsedRequest) -> tuple[Prompt, Sampli
     try:
         prompt = llm.apply_chat_template(
             request.messages or [],
-            chat_template_kwargs=request.chat_template_kwargs,
-            tools=request.tools,
+            request.add_generation_prompt,
+            request.chat_template_kwargs,
+            request.tools,
+            request.continue_final_message,
         )
     except Exception as err:  # the engine's ChatTemplateError, or what a template raised
         raise chat_template_error(err, request) from None

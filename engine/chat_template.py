@@ -65,6 +65,7 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         variables: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The conversation as the prompt text; raises `ChatTemplateError` naming the
         template when it cannot."""
@@ -81,6 +82,7 @@ class ChatTemplate:
                 chat_template=self.text,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 tokenize=False,
                 **{**self.defaults, **(variables or {})},
             )

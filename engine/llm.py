@@ -64,12 +64,16 @@ class LLM(LLMEngine):
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Apply the chat template to each conversation (offering it `tools`, OpenAI's
-        function tools, where given) and generate replies."""
+        function tools, where given) and generate replies; `continue_final_message`: the
+        model continues each conversation's last message rather than starting a new one."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs, tools)
+            self.apply_chat_template(
+                c, add_generation_prompt, chat_template_kwargs, tools, continue_final_message
+            )
             for c in conversations
         ]
         return self.generate(prompts, params, use_tqdm)
@@ -80,12 +84,18 @@ class LLM(LLMEngine):
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The conversation rendered by the chat template (`--chat-template`, else the
         checkpoint's), with `chat_template_kwargs` over the server's defaults and the `tools`
         the model may call (OpenAI's `{"type": "function", "function": {...}}`)."""
         return self.chat_template.render(
-            self.tokenizer, conversation, add_generation_prompt, chat_template_kwargs, tools
+            self.tokenizer,
+            conversation,
+            add_generation_prompt,
+            chat_template_kwargs,
+            tools,
+            continue_final_message,
         )
 
     def apply_chat_template(
@@ -94,11 +104,12 @@ class LLM(LLMEngine):
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """`render_chat_template`'s text, tokenized (the template writes the special tokens
         it wants)."""
         text = self.render_chat_template(
-            conversation, add_generation_prompt, chat_template_kwargs, tools
+            conversation, add_generation_prompt, chat_template_kwargs, tools, continue_final_message
         )
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 

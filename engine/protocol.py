@@ -71,6 +71,7 @@ class Engine(Protocol):
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> str | list[int]: ...
 
     def served_chat_template(self) -> str | dict[str, str] | None:
@@ -83,6 +84,7 @@ class Engine(Protocol):
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The text `apply_chat_template` tokenizes."""
         ...

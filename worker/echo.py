@@ -56,6 +56,7 @@ class EchoEngine:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The messages as lines, then the template variables and the tools' names asked for
         (so a test sees them arrive)."""

@@ -44,6 +44,7 @@ from conveyor.wire_format.bodies import (
     RESPONSES_URL,
     DetokenizeBody,
     TokenizeBody,
+    template_ending,
     template_messages,
     template_tools,
 )
@@ -222,11 +223,15 @@ class OnlineServer(threading.Thread):
         body = TokenizeBody.model_validate(message.body)
         if body.messages is not None:  # rendered as a chat request renders them
             try:
+                generation_prompt, continued = template_ending(
+                    body.add_generation_prompt, body.continue_final_message
+                )
                 text = self.engine.render_chat_template(
                     template_messages(body.messages),
-                    body.add_generation_prompt is not False,
+                    generation_prompt,
                     body.chat_template_kwargs,
                     template_tools(body.tools),
+                    continued,
                 )
             except Exception as err:  # the engine's ChatTemplateError, or a template's own
                 raise chat_template_error(err) from None

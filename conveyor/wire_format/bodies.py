@@ -319,6 +319,20 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return dicts
 
 
+def template_ending(
+    add_generation_prompt: bool | None, continue_final_message: bool | None
+) -> tuple[bool, bool]:
+    """How the chat template ends the prompt (vLLM's fields): a new assistant turn by default;
+    with `continue_final_message`, the last message left open for the model to go on with."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError(
+            '"add_generation_prompt" and "continue_final_message" may not both be true: one '
+            "starts a new assistant message, the other continues the last one"
+        )
+    return (add_generation_prompt is not False and not continue_final_message,
+            bool(continue_final_message))  # fmt: skip
+
+
 def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     """The tools as the chat template gets them."""
     return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
@@ -336,6 +350,15 @@ class ChatCompletionBody(_SamplingFields):
     parallel_tool_calls: bool | None = None
     # variables for the chat template (vLLM's extension), e.g. {"enable_thinking": false}
     chat_template_kwargs: dict[str, Any] | None = None
+    # how the template ends the prompt (vLLM's extensions; `template_ending`)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _ending(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        template_ending(info.data.get("add_generation_prompt"), value)
+        return value
 
     @field_validator("tool_choice")
     @classmethod
@@ -454,6 +477,7 @@ class TokenizeBody(BaseModel):
     add_special_tokens: bool | None = None
     # with "messages": rendered as a chat request with these fields renders them
     add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
 
@@ -461,10 +485,13 @@ class TokenizeBody(BaseModel):
     def _one_input(self) -> TokenizeBody:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError('give either "prompt" or "messages"')
+        chat_fields = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+                       "tools")  # fmt: skip
         if self.messages is None:
-            for name in ("add_generation_prompt", "chat_template_kwargs", "tools"):
+            for name in chat_fields:
                 if getattr(self, name) is not None:
                     raise ValueError(f'"{name}" goes with "messages", not with "prompt"')
+        template_ending(self.add_generation_prompt, self.continue_final_message)
         return self
 
 

@@ -18,6 +18,7 @@ from conveyor.wire_format.bodies import (
     SUPPORTED_URLS,
     ChatCompletionBody,
     CompletionBody,
+    template_ending,
 )
 from conveyor.wire_format.errors import (
     DUPLICATE_CUSTOM_ID,
@@ -67,6 +68,9 @@ class ParsedRequest:
     drop_generation: bool = False  # completions `max_tokens: 0`: report the prompt only
     top_logprobs: int | None = None  # chat: alternatives per token when logprobs were asked
     chat_template_kwargs: dict[str, Any] | None = None  # chat: the template's variables
+    # chat: how the template ends the prompt (`bodies.template_ending`)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # chat: how its answer is split from its thinking (set by the worker, from the model's
     # --reasoning-parser), None: not split
     reasoning: ReasoningParser | None = None
@@ -357,6 +361,7 @@ def _chat_request(
     if parsed.top_logprobs is not None and not parsed.logprobs:
         where.fail('"body.top_logprobs" needs "body.logprobs": true', param="body.top_logprobs")
     _check_forced_tools(parsed, where)
+    ending = template_ending(parsed.add_generation_prompt, parsed.continue_final_message)
     return ParsedRequest(
         custom_id=custom_id,
         url=url,
@@ -365,6 +370,8 @@ def _chat_request(
         messages=parsed.message_dicts(),
         top_logprobs=(parsed.top_logprobs or 0) if parsed.logprobs else None,
         chat_template_kwargs=parsed.chat_template_kwargs,
+        add_generation_prompt=ending[0],
+        continue_final_message=ending[1],
         tools=parsed.tool_dicts(),
         tool_use=parsed.tool_use(),
         responses=responses,

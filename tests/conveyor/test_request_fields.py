@@ -117,6 +117,14 @@ HONOURED: dict[Any, tuple[dict[str, Any], Callable[[ParsedRequest], bool]]] = {
         {"chat_template_kwargs": {"enable_thinking": False}},
         lambda r: r.chat_template_kwargs == {"enable_thinking": False},
     ),
+    "add_generation_prompt": (
+        {"add_generation_prompt": False},
+        lambda r: not r.add_generation_prompt and not r.continue_final_message,
+    ),
+    "continue_final_message": (
+        {"continue_final_message": True},  # the last message continued, no new turn
+        lambda r: r.continue_final_message and not r.add_generation_prompt,
+    ),
     "structured_outputs": (
         {"structured_outputs": {"choice": ["a", "b"]}},
         sampling(structured_outputs={"choice": ["a", "b"]}),
@@ -214,10 +222,13 @@ def test_empty_values_of_unsupported_fields_are_as_if_absent():
          "exactly one"),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "body",
          "at most one"),
+        ({"add_generation_prompt": True, "continue_final_message": True},
+         "body.continue_final_message", "may not both be true"),
     ],
 )  # fmt: skip
 def test_bad_values_fail_naming_the_field(fields, param, needle):
-    url = CHAT_URL if "modalities" in fields else COMPLETIONS_URL
+    chat_only = {"modalities", "continue_final_message"}
+    url = CHAT_URL if chat_only & fields.keys() else COMPLETIONS_URL
     err = refusal(url, **fields)
     assert err.param == param
     assert needle in str(err)

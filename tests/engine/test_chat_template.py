@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.engine import LLM
+from conveyor.engine import LLM, SamplingParams
 from conveyor.engine.config import EngineConfig, json_object
 from conveyor.engine.errors import ChatTemplateError
 from conveyor.request_outcome import prepare_request
 from conveyor.wire_format.errors import CHAT_TEMPLATE_ERROR, RequestError
 from conveyor.wire_format.request_line import parse_request_line
+from tests.hf_reference import hf_greedy
 
 THINKING = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
@@ -104,3 +105,21 @@ def test_the_default_variables_come_from_the_command_line():
     with pytest.raises(Exception, match="not JSON"):
         json_object("{enable_thinking: false}")
     assert EngineConfig().default_chat_template_kwargs is None
+
+
+def test_continue_final_message_leaves_the_last_message_open(checkpoints):
+    """As transformers renders it: the last message without its end of turn and no new turn,
+    and the model goes on with it (vLLM's `continue_final_message`)."""
+    path = checkpoints["llama"]
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    conversation = [*HI, {"role": "assistant", "content": "The answer is"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = llm.apply_chat_template(conversation, **options)
+    text = llm.tokenizer.apply_chat_template(conversation, tokenize=False, **options)
+    assert llm.tokenizer.decode(ids) == text and text.endswith("The answer is")
+    closed = llm.apply_chat_template(conversation, add_generation_prompt=False)
+    assert len(closed) > len(ids)  # the message's end of turn
+    params = SamplingParams(temperature=0, max_tokens=5)
+    (out,) = llm.chat(conversation, params, use_tqdm=False, **options)
+    assert out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == hf_greedy(path, ids, 5)

@@ -166,7 +166,8 @@ def test_tokenize_counts_a_chat_as_the_chat_endpoint_renders_it(chat_model: Path
     messages = [{"role": "user", "content": "Say hi"}]
     tool = {"type": "function", "function": {"name": "lookup_weather", "parameters": {}}}
     variants = [{}, {"extra_body": {"chat_template_kwargs": {"style": "terse and plain"}}},
-                {"tools": [tool], "tool_choice": "none"}]  # fmt: skip
+                {"tools": [tool], "tool_choice": "none"},
+                {"extra_body": {"continue_final_message": True}}]  # fmt: skip
     with embedded_serve(tmp_path, chat_model, "--chat-template", str(template)) as url:
         counts = []
         for extra in variants:
@@ -180,6 +181,7 @@ def test_tokenize_counts_a_chat_as_the_chat_endpoint_renders_it(chat_model: Path
             assert tokenized.json()["count"] == chat.usage.prompt_tokens, extra
             counts.append(chat.usage.prompt_tokens)
         assert counts[0] < counts[1] and counts[0] < counts[2]  # each reached the template
+        assert counts[3] < counts[0]  # the message left open: no end of turn, no new turn
         # lm-eval's remote tokenizer renders chats itself, with the template this tells it
         assert httpx.get(url + "/tokenizer_info").json()["chat_template"] == TEMPLATE
         bare = httpx.post(
