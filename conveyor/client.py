@@ -43,6 +43,21 @@ class ServiceError(Exception):
         self.code = code
 
 
+# what a call to the service can raise: its answer, the connection's failure (httpx's), a file
+CLIENT_ERRORS = (ServiceError, httpx.HTTPError, OSError)
+
+
+def client_error_text(err: Exception) -> str:
+    """One of `CLIENT_ERRORS` in a line: the service's error, or where the connection failed."""
+    if not isinstance(err, httpx.HTTPError):
+        return str(err)
+    try:
+        where = f" ({err.request.method} {err.request.url})"
+    except RuntimeError:  # an error made without its request
+        where = ""
+    return f"cannot reach the service: {type(err).__name__}: {err}{where}"
+
+
 class ConveyorClient:
     def __init__(self, base_url: str | None = None, timeout: float = 600.0) -> None:
         self.base_url = (base_url or os.environ.get("CONVEYOR_URL") or DEFAULT_URL).rstrip("/")

@@ -153,7 +153,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def _follow(args: argparse.Namespace, get_batch: Callable[[Any], dict], wait: bool) -> int:
     """Print the id of the batch `get_batch` gives; with `wait`, wait for it and download its
     results, else report whether it was accepted."""
-    from conveyor.client import ConveyorClient, ServiceError
+    from conveyor.client import CLIENT_ERRORS, ConveyorClient, client_error_text
 
     try:
         with ConveyorClient(args.url) as client:
@@ -172,10 +172,8 @@ def _follow(args: argparse.Namespace, get_batch: Callable[[Any], dict], wait: bo
                     file=sys.stderr,
                 )
                 return EXIT_INTERRUPTED
-    except (ServiceError, OSError) as err:
-        return fail("submit", str(err))
-    except Exception as err:  # httpx transport errors
-        return fail("submit", f"{type(err).__name__}: {err}")
+    except CLIENT_ERRORS as err:
+        return fail("submit", client_error_text(err))
 
 
 def _new_batch(
@@ -265,13 +263,13 @@ def add_status(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from conveyor.client import ConveyorClient, ServiceError
+    from conveyor.client import CLIENT_ERRORS, ConveyorClient, client_error_text
 
     try:
         with ConveyorClient(args.url) as client:
             print(json.dumps(client.batch(args.batch_id), indent=2))
-    except (ServiceError, OSError) as err:
-        return fail("status", str(err))
+    except CLIENT_ERRORS as err:
+        return fail("status", client_error_text(err))
     return EXIT_OK
 
 
@@ -295,7 +293,7 @@ def add_results(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_results(args: argparse.Namespace) -> int:
-    from conveyor.client import ConveyorClient, ServiceError
+    from conveyor.client import CLIENT_ERRORS, ConveyorClient, client_error_text
 
     try:
         with ConveyorClient(args.url) as client:
@@ -309,8 +307,8 @@ def cmd_results(args: argparse.Namespace) -> int:
                     out.write(dump_line(line) + "\n")
             # read after the lines: a worker's run is recorded before it writes any of them
             write_record(client.batch(args.batch_id), args.output)
-    except (ServiceError, OSError) as err:
-        return fail("results", str(err))
+    except CLIENT_ERRORS as err:
+        return fail("results", client_error_text(err))
     return EXIT_OK
 
 
@@ -322,13 +320,13 @@ def add_cancel(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from conveyor.client import ConveyorClient, ServiceError
+    from conveyor.client import CLIENT_ERRORS, ConveyorClient, client_error_text
 
     try:
         with ConveyorClient(args.url) as client:
             batch = client.cancel(args.batch_id)
-    except (ServiceError, OSError) as err:
-        return fail("cancel", str(err))
+    except CLIENT_ERRORS as err:
+        return fail("cancel", client_error_text(err))
     print(f"batch {batch['id']} is {batch['status']}")
     return EXIT_OK
 
@@ -408,7 +406,7 @@ def lm_eval_argv(args: list[str]) -> list[str]:
 def cmd_eval(args: argparse.Namespace) -> int:
     import httpx
 
-    from conveyor.client import DEFAULT_URL, ServiceError
+    from conveyor.client import DEFAULT_URL, ServiceError, client_error_text
 
     argv = lm_eval_argv(list(args.lm_eval_args))
     if "-h" in argv or "--help" in argv or argv == ["lm-eval", "run", "--model", "conveyor"]:
@@ -429,13 +427,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return done.code if isinstance(done.code, int) else EXIT_ERROR if done.code else EXIT_OK
     except EvaluationError as err:
         return fail("eval", str(err))
-    except ServiceError as err:
-        return fail("eval", str(err))
-    except httpx.HTTPError as err:
-        where = ""
-        with contextlib.suppress(RuntimeError):  # an error without its request
-            where = f" ({err.request.method} {err.request.url})"
-        return fail("eval", f"{type(err).__name__}: {err}{where}")
+    except (ServiceError, httpx.HTTPError) as err:
+        return fail("eval", client_error_text(err))
     except KeyboardInterrupt:
         print(
             f"{PROG} eval: interrupted; the batches it made go on: run the same command again "

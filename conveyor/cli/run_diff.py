@@ -41,7 +41,7 @@ def add_diff(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from conveyor.client import ConveyorClient, ServiceError
+    from conveyor.client import CLIENT_ERRORS, ConveyorClient, client_error_text
     from conveyor.wire_format.result_diff import diff_runs
 
     try:
@@ -49,8 +49,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
             first = list(_lines(client, args.first))
             second = list(_lines(client, args.second))
             first_ran, second_ran = (_what_ran(client, run) for run in (args.first, args.second))
-    except (ServiceError, OSError, ValueError) as err:
-        return fail("diff", str(err))
+    except (*CLIENT_ERRORS, ValueError) as err:
+        return fail("diff", client_error_text(err))
     found = diff_runs(first, second, args.tolerance, first_ran, second_ran)
     if args.json:
         print(json.dumps(found.as_dict(args.top), ensure_ascii=False))
