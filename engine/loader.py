@@ -51,7 +51,10 @@ def resolve_model_path(model: str) -> Path:
 def load_config(path: Path):
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError) as err:
+        raise ValueError(_unreadable_config(path, err)) from err
     arch = (getattr(config, "architectures", None) or [None])[0]
     if arch in TEXT_OF_MULTIMODAL:
         config = _language_model_config(config, arch)
@@ -69,6 +72,34 @@ def load_config(path: Path):
         )
     _refuse_what_would_run_wrong(config, path)
     return config
+
+
+def _unreadable_config(path: Path, err: Exception) -> str:
+    """Why transformers could not read `path`'s config, said for this engine: a model type it
+    does not know is an architecture this engine does not run, or one it runs that this
+    transformers is too old for."""
+    import transformers
+
+    file = path / "config.json"
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as bad:
+        return f"{file} cannot be read as a model's config: {bad}"
+    if not isinstance(raw, dict):
+        return f"{file} is not a model's config: it holds no JSON object"
+    archs = raw.get("architectures") or [None]
+    arch = archs[0] if isinstance(archs, list) else archs
+    known = f"supported: {', '.join(sorted(MODEL_REGISTRY))}"
+    if arch in MODEL_REGISTRY or arch in TEXT_OF_MULTIMODAL:
+        return (
+            f"transformers {transformers.__version__} cannot read {file} (model type "
+            f"{raw.get('model_type')!r}, architecture {arch!r}); a newer transformers may: "
+            f"{type(err).__name__}: {str(err).splitlines()[0]}"
+        )
+    return (
+        f"unsupported architecture {arch!r} (model type {raw.get('model_type')!r}) in {file}; "
+        f"{known}"
+    )
 
 
 def _language_model_config(config, arch: str):

@@ -44,6 +44,28 @@ def test_unsupported_architecture(checkpoints, tmp_path):
         LLM(str(path), dtype="float32", device="cpu")
 
 
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"architectures": ["FooForCausalLM"], "model_type": "foo"},
+         "unsupported architecture 'FooForCausalLM' (model type 'foo') in .*; supported: "
+         ".*LlamaForCausalLM"),
+        ({"architectures": ["LlamaForCausalLM"], "model_type": "llama_next"},
+         "cannot read .* (model type 'llama_next', architecture 'LlamaForCausalLM'); a newer "
+         "transformers may"),
+        ("{not json", "config.json cannot be read as a model's config"),
+    ],
+)  # fmt: skip
+def test_a_config_transformers_cannot_read_is_refused_in_our_words(tmp_path, config, message):
+    """A model type transformers does not know is refused as an architecture this engine does
+    not run (with the list it does), or, for one it runs, as needing a newer transformers."""
+    path = tmp_path / "m"
+    path.mkdir()
+    (path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        LLM(str(path), dtype="float32", device="cpu")
+
+
 def test_unknown_model_name_fails_clearly(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="neither a local directory nor a reachable hub"):
