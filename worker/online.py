@@ -222,10 +222,10 @@ class OnlineServer(threading.Thread):
             return {"status": 200, "body": {"prompt": tokenizer.decode(body.tokens)}}
         body = TokenizeBody.model_validate(message.body)
         if body.messages is not None:  # rendered as a chat request renders them
+            generation_prompt, continued = template_ending(
+                body.add_generation_prompt, body.continue_final_message
+            )
             try:
-                generation_prompt, continued = template_ending(
-                    body.add_generation_prompt, body.continue_final_message
-                )
                 text = self.engine.render_chat_template(
                     template_messages(body.messages),
                     generation_prompt,
